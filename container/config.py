@@ -1,0 +1,264 @@
+"""serving.properties + environment → one validated configuration, with where each value came from.
+
+Precedence (DJL's, see shared/reference §1.4): the file wins; `OPTION_FOO` fills `option.foo` and
+`SERVING_FOO` fills `foo` only when the file lacks the key; `HF_MODEL_ID`/`HF_REVISION` fill the
+model keys; TGI/SageMaker names fill a key only when nothing above set it. This is the only module
+that reads environment variables, and it takes them as an argument.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from container.keys import ACCEPTED_UNUSED, KEY_ALIASES, KEYS, KEYS_BY_NAME, ConfigError
+from engines.config import (
+    ENGINE_DYNAMIC, ENGINE_PAGED, ENGINE_ROLLING, NATIVE_ARCHITECTURES,
+    LmiConfig, ModelConfig, ParallelConfig, SchedulerConfig, ServerConfig,
+)
+
+log = logging.getLogger(__name__)
+
+FILE, ENV, DEFAULT, CLI = "file", "env", "default", "cli"
+
+# TGI / SageMaker environment names → LMI key; used only when the LMI key is still unset.
+ENV_ALIASES = (
+    ("SM_NUM_GPUS", "option.tensor_parallel_degree"),
+    ("TENSOR_PARALLEL_DEGREE", "option.tensor_parallel_degree"),
+    ("MAX_BATCH_SIZE", "option.max_rolling_batch_size"),
+    ("MAX_BATCH_PREFILL_TOKENS", "option.max_rolling_batch_prefill_tokens"),
+    ("MAX_CONCURRENT_REQUESTS", "job_queue_size"),
+    ("HF_MODEL_TRUST_REMOTE_CODE", "option.trust_remote_code"),
+    ("HF_MODEL_QUANTIZE", "option.quantize"),
+    ("CUDA_MEMORY_FRACTION", "option.gpu_memory_utilization"),
+    ("SAGEMAKER_MAX_REQUEST_SIZE", "max_request_size"),
+)
+_UPPER = re.compile(r"^[A-Z0-9_]+$")
+
+
+@dataclass(frozen=True)
+class Setting:
+    value: Any
+    source: str  # file | env (NAME) | default | cli
+
+
+@dataclass
+class ResolvedConfig:
+    """Typed values of every known key, their sources, and the warnings met on the way."""
+
+    settings: dict[str, Setting]
+    warnings: list[str] = field(default_factory=list)
+
+    def __getitem__(self, key: str) -> Any:
+        return self.settings[key].value
+
+    def is_set(self, key: str) -> bool:
+        return self.settings[key].source != DEFAULT
+
+
+def collect_raw(properties: Mapping[str, str], env: Mapping[str, str]) -> tuple[dict[str, tuple[str, str]], list[str]]:
+    """Merge file and environment by DJL's precedence: {key: (raw value, source)} and warnings."""
+    raw: dict[str, tuple[str, str]] = {}
+    warnings: list[str] = []
+    for key, value in properties.items():
+        raw[KEY_ALIASES.get(key, key)] = (value, FILE)
+    checked = {key for key in raw}  # file keys and OPTION_* keys get "did you mean" hints
+    for name, value in sorted(env.items()):
+        if not value:
+            continue
+        key = _env_key(name)
+        if key is None:
+            continue
+        if key not in raw:
+            raw[key] = (value, f"{ENV} ({name})")
+            if name.startswith("OPTION_"):
+                checked.add(key)
+    for name, key in ENV_ALIASES:
+        if env.get(name) and key not in raw:
+            raw[key] = (env[name], f"{ENV} ({name})")
+    for key in sorted(checked):
+        if key not in KEYS_BY_NAME and key not in ACCEPTED_UNUSED:
+            warnings.append(_unknown_key_warning(key, raw[key][1]))
+    return raw, warnings
+
+
+def _env_key(name: str) -> str | None:
+    if name.startswith("OPTION_"):
+        suffix = name[len("OPTION_"):]
+        k = suffix.lower() if _UPPER.match(suffix) else suffix
+        if k == "engine":
+            return "engine"
+        return "option." + ("entryPoint" if k == "entrypoint" else k)
+    if name.startswith("SERVING_"):
+        key = name[len("SERVING_"):].lower()
+        return KEY_ALIASES.get(key, key) if key in KEYS_BY_NAME or key in KEY_ALIASES else None
+    if name == "HF_MODEL_ID":
+        return "option.model_id"
+    if name == "HF_REVISION":
+        return "option.revision"
+    return None
+
+
+def _unknown_key_warning(key: str, source: str) -> str:
+    known = [k.name for k in KEYS]
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]}?" if close else ""
+    return f"unknown key {key} ({source}) is ignored{hint}"
+
+
+def resolve(properties: Mapping[str, str], env: Mapping[str, str], *,
+            cli: Mapping[str, str] | None = None) -> ResolvedConfig:
+    """Parse and type every key; raise ConfigError on the first invalid value."""
+    raw, warnings = collect_raw(properties, env)
+    for key, value in (cli or {}).items():
+        raw[key] = (value, CLI)
+    settings: dict[str, Setting] = {}
+    for spec in KEYS:
+        if spec.name in raw:
+            value, source = raw[spec.name]
+            settings[spec.name] = Setting(spec.parse(spec.name, value), source)
+        else:
+            settings[spec.name] = Setting(spec.default, DEFAULT)
+    cfg = ResolvedConfig(settings, warnings)
+    _check_static_contradictions(cfg)
+    return cfg
+
+
+def _check_static_contradictions(cfg: ResolvedConfig) -> None:
+    rb = cfg["option.rolling_batch"]
+    if cfg["batch_size"] > 1 and rb in ("scheduler", "lmi-dist"):
+        raise ConfigError(
+            f"batch_size={cfg['batch_size']} with option.rolling_batch={rb}: dynamic batching and "
+            "rolling batch exclude each other; set batch_size=1 or option.rolling_batch=disable")
+    paged = cfg["option.paged_attention"]
+    if cfg.is_set("option.paged_attention"):
+        if paged and rb == "scheduler":
+            raise ConfigError("option.paged_attention=true with option.rolling_batch=scheduler: the scheduler "
+                              "engine uses a padded KV cache; use option.rolling_batch=lmi-dist or auto")
+        if not paged and rb == "lmi-dist":
+            raise ConfigError("option.paged_attention=false with option.rolling_batch=lmi-dist: lmi-dist is the "
+                              "paged engine; use option.rolling_batch=scheduler for a padded KV cache")
+    if cfg["option.quantize"]:
+        raise ConfigError(f"option.quantize={cfg['option.quantize']!r}: quantization is not supported yet; "
+                          "remove the key (or HF_MODEL_QUANTIZE)")
+
+
+def select_engine(cfg: ResolvedConfig, architecture: str | None) -> str:
+    """DJL's rules: batch_size>1 or disable → dynamic; scheduler → padded; lmi-dist → paged;
+    auto → paged unless paged_attention=false or the model runs only on the HF fallback path."""
+    rb = cfg["option.rolling_batch"]
+    if rb == "disable" or cfg["batch_size"] > 1:
+        return ENGINE_DYNAMIC
+    if rb == "scheduler":
+        return ENGINE_ROLLING
+    if rb == "lmi-dist":
+        return ENGINE_PAGED
+    if not cfg["option.paged_attention"] or is_fallback_architecture(cfg, architecture):
+        return ENGINE_ROLLING
+    return ENGINE_PAGED
+
+
+def is_fallback_architecture(cfg: ResolvedConfig, architecture: str | None) -> bool:
+    if architecture is None:
+        return False  # not known before download: assume the native path
+    return architecture not in NATIVE_ARCHITECTURES or cfg["option.trust_remote_code"]
+
+
+def resolve_tensor_parallel(cfg: ResolvedConfig, num_gpus: int, num_cpus: int) -> int:
+    tp = cfg["option.tensor_parallel_degree"]
+    if tp == "max":
+        if num_gpus == 0:
+            log.info("option.tensor_parallel_degree=max on a machine without GPUs: using 1")
+            return 1
+        return num_gpus
+    limit, what = (num_gpus, "GPUs") if num_gpus else (num_cpus, "CPU cores")
+    if tp > limit:
+        raise ConfigError(f"option.tensor_parallel_degree={tp} exceeds the {limit} {what} of this machine; "
+                          f"set it to {limit} or less (or max)")
+    return tp
+
+
+def build(cfg: ResolvedConfig, *, local_dir: str, architecture: str | None,
+          num_gpus: int, num_cpus: int, port: int) -> LmiConfig:
+    """The typed configuration the engine and HTTP workers run with."""
+    kind = select_engine(cfg, architecture)
+    tp = resolve_tensor_parallel(cfg, num_gpus, num_cpus)
+    use_mpi = cfg["engine"] == "MPI"
+    if use_mpi and kind == ENGINE_DYNAMIC:
+        raise ConfigError("engine=MPI with dynamic batching: MPI runs the rolling-batch engines; "
+                          "use engine=Python for batch_size>1 / option.rolling_batch=disable")
+    if tp > 1 and not use_mpi and (kind != ENGINE_DYNAMIC or num_gpus == 0):
+        raise ConfigError(f"option.tensor_parallel_degree={tp} with engine=Python: tensor parallelism "
+                          "runs under MPI; set engine=MPI (or spread a dynamic-batching model over GPUs)")
+    if tp > 1 and kind != ENGINE_DYNAMIC and is_fallback_architecture(cfg, architecture):
+        raise ConfigError(f"option.tensor_parallel_degree={tp} with {architecture}: the HF fallback path "
+                          "runs at tensor_parallel_degree=1 only")
+    dtype = cfg["option.dtype"] or ("fp16" if num_gpus else "bf16")
+    model = ModelConfig(local_dir=local_dir, model_id=cfg["option.model_id"], revision=cfg["option.revision"],
+                        dtype=dtype, trust_remote_code=cfg["option.trust_remote_code"],
+                        max_model_len=cfg["option.max_model_len"], quantize=cfg["option.quantize"])
+    scheduler = SchedulerConfig(
+        engine_kind=kind, batch_size=cfg["batch_size"], max_batch_delay_ms=cfg["max_batch_delay"],
+        job_queue_size=cfg["job_queue_size"], max_num_seqs=cfg["option.max_rolling_batch_size"],
+        max_num_batched_tokens=cfg["option.max_rolling_batch_prefill_tokens"],
+        kv_block_size=cfg["option.kv_block_size"], enable_prefix_caching=cfg["option.enable_prefix_caching"],
+        gpu_memory_utilization=cfg["option.gpu_memory_utilization"], kv_cache_memory=cfg["option.kv_cache_memory"],
+        predict_timeout_s=float(cfg["option.predict_timeout"]), enforce_eager=cfg["option.enforce_eager"])
+    server = ServerConfig(port=port, max_request_size=cfg["max_request_size"], http_workers=cfg["http_workers"],
+                          http_threads=cfg["http_threads"], output_formatter=cfg["option.output_formatter"],
+                          default_max_new_tokens=cfg["option.max_new_tokens"],
+                          model_loading_timeout_s=float(cfg["option.model_loading_timeout"]))
+    return LmiConfig(model=model, scheduler=scheduler,
+                     parallel=ParallelConfig(use_mpi=use_mpi, tensor_parallel_degree=tp), server=server)
+
+
+def read_architecture(local_dir: str | None) -> str | None:
+    """The first entry of `architectures` in the model's config.json, when there is one."""
+    if not local_dir:
+        return None
+    path = os.path.join(local_dir, "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        archs = json.load(f).get("architectures") or []
+    return archs[0] if archs else None
+
+
+def count_gpus(env: Mapping[str, str]) -> int:
+    """NVIDIA GPUs visible to this process, without importing torch (the launcher stays light)."""
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    try:
+        present = len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
+    if visible is None:
+        return present
+    return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"]) if visible.strip() else 0
+
+
+def default_download_dir(env: Mapping[str, str]) -> str:
+    return os.path.join(env.get("HOME") or "/tmp", ".cache", "lmi-serve", "download")
+
+
+def describe(cfg: ResolvedConfig) -> list[str]:
+    """Lines `key = value  [source]` for every key, for `lmi config` and the start-up log."""
+    width = max(len(k) for k in cfg.settings)
+    return [f"{k:<{width}} = {s.value!s:<24} [{s.source}]" for k, s in cfg.settings.items()]
+
+
+def resolve_port(cli_port: int | None, env: Mapping[str, str]) -> int:
+    """--port, else SAGEMAKER_BIND_TO_PORT, else 8080."""
+    if cli_port:
+        return cli_port
+    raw = env.get("SAGEMAKER_BIND_TO_PORT")
+    if raw:
+        try:
+            return int(raw)
+        except ValueError:
+            raise ConfigError(f"SAGEMAKER_BIND_TO_PORT={raw!r} is invalid: expected a port number") from None
+    return 8080

@@ -1,0 +1,167 @@
+"""Every configuration key we know: its parser, its default and one line of documentation.
+
+The table is the single source for validation, `lmi config`, the "did you mean" hints and the
+configuration reference in docs/configuration.md.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+class ConfigError(ValueError):
+    """One clear line naming the key, the value and the fix."""
+
+
+Parser = Callable[[str, str], Any]  # (key, raw value) -> typed value
+
+
+def _fail(key: str, raw: str, expected: str) -> ConfigError:
+    return ConfigError(f"{key}={raw!r} is invalid: expected {expected}")
+
+
+def integer(minimum: int | None = None) -> Parser:
+    def parse(key: str, raw: str) -> int:
+        try:
+            value = int(raw)
+        except ValueError:
+            raise _fail(key, raw, "an integer") from None
+        if minimum is not None and value < minimum:
+            raise _fail(key, raw, f"an integer >= {minimum}")
+        return value
+
+    return parse
+
+
+def number(low: float, high: float, *, low_open: bool = False) -> Parser:
+    def parse(key: str, raw: str) -> float:
+        try:
+            value = float(raw)
+        except ValueError:
+            raise _fail(key, raw, "a number") from None
+        if value > high or value < low or (low_open and value == low):
+            bracket = "(" if low_open else "["
+            raise _fail(key, raw, f"a number in {bracket}{low}, {high}]")
+        return value
+
+    return parse
+
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+
+
+def boolean(key: str, raw: str) -> bool:
+    lowered = raw.strip().lower()
+    if lowered in _TRUE:
+        return True
+    if lowered in _FALSE:
+        return False
+    raise _fail(key, raw, "true or false")
+
+
+def choice(*values: str, case_sensitive: bool = False) -> Parser:
+    def parse(key: str, raw: str) -> str:
+        for v in values:
+            if raw == v or (not case_sensitive and raw.lower() == v.lower()):
+                return v
+        raise _fail(key, raw, "one of " + ", ".join(values))
+
+    return parse
+
+
+def text(key: str, raw: str) -> str:
+    return raw
+
+
+def tensor_parallel(key: str, raw: str) -> int | str:
+    if raw.strip().lower() == "max":
+        return "max"
+    return integer(1)(key, raw)
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
+          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def memory_amount(key: str, raw: str) -> str:
+    """Bytes ("2GiB", "512MB", "1073741824") or a fraction of free RAM in (0, 1]; kept as text."""
+    m = _SIZE.match(raw)
+    if not m:
+        raise _fail(key, raw, 'bytes such as "2GiB" or "1073741824", or a fraction such as "0.3"')
+    amount, unit = float(m.group(1)), (m.group(2) or "").lower().rstrip("b")
+    if not unit and "." in m.group(1) and not 0 < amount <= 1:
+        raise _fail(key, raw, "a fraction in (0, 1] or a whole number of bytes")
+    if amount <= 0:
+        raise _fail(key, raw, "a positive amount")
+    return raw.strip()
+
+
+def memory_bytes(spec: str, free_bytes: int) -> int:
+    """Turn a `memory_amount` value into bytes (a fraction applies to `free_bytes`)."""
+    m = _SIZE.match(spec)
+    assert m, spec
+    amount, unit = float(m.group(1)), (m.group(2) or "").lower().rstrip("b")
+    if not unit and "." in m.group(1):
+        return int(amount * free_bytes)
+    return int(amount * _UNITS[unit])
+
+
+@dataclass(frozen=True)
+class Key:
+    name: str
+    parse: Parser
+    default: Any
+    doc: str
+
+
+KEYS: tuple[Key, ...] = (
+    # model-server keys (no prefix)
+    Key("engine", choice("Python", "MPI"), "Python", "Python: one process; MPI: mpirun with tensor_parallel_degree ranks"),
+    Key("batch_size", integer(1), 1, "dynamic batch size in prompts; >1 selects dynamic batching"),
+    Key("max_batch_delay", integer(0), 100, "ms the first queued request waits for a dynamic batch to fill"),
+    Key("job_queue_size", integer(1), 1000, "requests that may wait for the engine; beyond it 503"),
+    Key("max_request_size", integer(1), 64 * 1024 * 1024, "largest request body in bytes; beyond it 413"),
+    Key("http_workers", integer(1), 2, "gunicorn worker processes (thin clients of the one engine)"),
+    Key("http_threads", integer(1), 32, "threads per gunicorn worker (concurrent requests per worker)"),
+    Key("download_dir", text, None, "where s3:// models are cached (default ~/.cache/lmi-serve/download)"),
+    # engine keys
+    Key("option.model_id", text, None, "local dir, s3://bucket/prefix/ or hub id (default: the model dir)"),
+    Key("option.revision", text, None, "hub revision (branch, tag or commit)"),
+    Key("option.dtype", choice("fp32", "fp16", "bf16", "auto"), None,
+        "weight dtype; default fp16 on GPU, bf16 on CPU; auto = the checkpoint's torch_dtype"),
+    Key("option.tensor_parallel_degree", tensor_parallel, 1, "ranks per model copy; max = all GPUs"),
+    Key("option.rolling_batch", choice("auto", "scheduler", "lmi-dist", "disable"), "auto",
+        "auto | scheduler (padded KV) | lmi-dist (paged KV) | disable (dynamic batching)"),
+    Key("option.paged_attention", boolean, True, "with rolling_batch=auto: paged (true) or padded (false) KV cache"),
+    Key("option.max_rolling_batch_size", integer(1), 32, "max_num_seqs: rows in the running batch"),
+    Key("option.max_rolling_batch_prefill_tokens", integer(1), 1024, "max_num_batched_tokens per step"),
+    Key("option.max_model_len", integer(1), None, "prompt + new tokens limit (default: the model's)"),
+    Key("option.trust_remote_code", boolean, False, "allow the checkpoint's own modeling code (HF fallback path)"),
+    Key("option.output_formatter", choice("json", "jsonlines", "sse"), "json", "response format"),
+    Key("option.model_loading_timeout", integer(1), 1800, "seconds the engine may take to become ready"),
+    Key("option.predict_timeout", integer(1), 240, "seconds one engine step may take"),
+    Key("option.gpu_memory_utilization", number(0.0, 1.0, low_open=True), 0.9, "GPU memory fraction for weights + KV cache"),
+    Key("option.kv_cache_memory", memory_amount, None, "CPU KV cache: bytes or a fraction of free RAM"),
+    Key("option.kv_block_size", integer(1), 16, "tokens per paged KV block"),
+    Key("option.enable_prefix_caching", boolean, False, "reuse KV blocks of shared prompt prefixes"),
+    Key("option.enforce_eager", boolean, False, "no CUDA graphs / torch.compile"),
+    Key("option.max_new_tokens", integer(1), 30, "default max_new_tokens of a request"),
+    Key("option.quantize", text, None, "quantization method (not supported yet: refused at start)"),
+)
+
+# DJL keys that are accepted for compatibility but change nothing here (no warning for them).
+ACCEPTED_UNUSED = frozenset({
+    "option.entryPoint", "option.mpi_mode", "option.task", "option.device_map",
+    "option.enable_streaming", "option.low_cpu_mem_usage", "option.disable_flash_attn",
+    "minWorkers", "maxWorkers", "gpu.minWorkers", "gpu.maxWorkers", "max_idle_time",
+    "load_on_devices", "option.parallel_loading", "option.load_format",
+})
+
+KEYS_BY_NAME = {k.name: k for k in KEYS}
+
+# DJL's alias for batch_size.
+KEY_ALIASES = {"max_dynamic_batch_size": "batch_size"}

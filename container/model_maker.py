@@ -1,0 +1,115 @@
+"""`lmi make-model`: a random-weight model plus a tokenizer trained on local text, as safetensors.
+
+Deterministic for a seed (same bytes for the same seed, architecture and size). Random weights give
+nearly flat logits, where the float rounding of different batch shapes can flip a greedy choice;
+so the weights are drawn wider than usual and the LM head is scaled, which makes the top-1 logit
+margin large next to float32 noise. The median margin over a few prompts is measured and written to
+`lmi_model_card.json` beside the weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from importlib import resources
+
+SIZES = {
+    # hidden, layers, heads, kv heads, intermediate, max positions
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128, max_position_embeddings=1024),
+    "small": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                  intermediate_size=3072, max_position_embeddings=2048),
+}
+ARCHITECTURES = ("llama", "mistral", "qwen2", "gpt2")
+VOCAB_SIZE = 1024
+INIT_RANGE = 0.1
+LM_HEAD_SCALE = 4.0
+SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")
+
+
+def corpus_lines() -> list[str]:
+    text = resources.files("container").joinpath("data/corpus.txt").read_text(encoding="utf-8")
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def train_tokenizer(vocab_size: int = VOCAB_SIZE):
+    """A byte-level BPE tokenizer (never an unknown token) with <s> prepended to every input."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus_lines(), trainer=trainer)
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", bos)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>", padding_side="left")
+
+
+def model_config(arch: str, size: str, tokenizer, overrides: dict | None = None):
+    """A transformers config for `arch` at `size`, with `overrides` (num_kv_heads etc.) applied."""
+    import transformers
+
+    shape = dict(SIZES[size], **(overrides or {}))
+    common = dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                  initializer_range=INIT_RANGE, tie_word_embeddings=False)
+    if arch == "gpt2":
+        return transformers.GPT2Config(n_embd=shape["hidden_size"], n_layer=shape["num_hidden_layers"],
+                                       n_head=shape["num_attention_heads"], n_inner=shape["intermediate_size"],
+                                       n_positions=shape["max_position_embeddings"], **common)
+    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+           "qwen2": transformers.Qwen2Config}[arch]
+    extra = {"sliding_window": None} if arch in ("mistral", "qwen2") else {}
+    return cls(rms_norm_eps=1e-5, **shape, **common, **extra)
+
+
+def make_model(out_dir: str, arch: str = "llama", size: str = "tiny", seed: int = 0,
+               overrides: dict | None = None) -> dict:
+    """Write config, safetensors weights, tokenizer and a model card to `out_dir`; return the card."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
+    tokenizer = train_tokenizer()
+    config = model_config(arch, size, tokenizer, overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        head = model.get_output_embeddings()
+        head.weight.mul_(LM_HEAD_SCALE)
+    model.eval()
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    card = {"architecture": config.architectures[0] if config.architectures else type(model).__name__,
+            "size": size, "seed": seed, "num_parameters": sum(p.numel() for p in model.parameters()),
+            "median_top1_margin": round(median_top1_margin(model, tokenizer), 4),
+            "init_range": INIT_RANGE, "lm_head_scale": LM_HEAD_SCALE}
+    with open(os.path.join(out_dir, "lmi_model_card.json"), "w", encoding="utf-8") as f:
+        json.dump(card, f, indent=2)
+    return card
+
+
+def median_top1_margin(model, tokenizer, num_prompts: int = 8, new_tokens: int = 8) -> float:
+    """Median gap between the best and second-best logit along greedy continuations of corpus lines."""
+    import torch
+
+    margins: list[float] = []
+    with torch.no_grad():
+        for line in corpus_lines()[:num_prompts]:
+            ids = tokenizer(line[:60], return_tensors="pt").input_ids
+            for _ in range(new_tokens):
+                logits = model(ids).logits[0, -1].float()
+                top2 = torch.topk(logits, 2).values
+                margins.append(float(top2[0] - top2[1]))
+                ids = torch.cat([ids, logits.argmax().view(1, 1)], dim=1)
+    margins.sort()
+    return margins[len(margins) // 2]

@@ -1,0 +1,101 @@
+"""A reader for Java `.properties` files, the syntax of DJL's `serving.properties`.
+
+What it accepts (java.util.Properties.load):
+- `#` and `!` start a comment line (after leading white space);
+- `key=value`, `key: value`, or `key value` (the first unescaped `=`, `:` or white space ends the
+  key); white space around the separator and leading white space of the value are dropped;
+- a line ending in an odd number of backslashes continues on the next line, whose leading white
+  space is dropped;
+- escapes `\\t \\n \\r \\f \\\\ \\uXXXX`, and `\\` before any other character keeps that character.
+
+One difference from Java, on purpose: trailing white space of a value is trimmed as well, so that
+`engine=MPI ` selects MPI (DJL fails on it, see djl-serving#1351).
+"""
+
+from __future__ import annotations
+
+_ESCAPES = {"t": "\t", "n": "\n", "r": "\r", "f": "\f"}
+_SEPARATORS = "=: \t\f"
+
+
+class PropertiesError(ValueError):
+    """A malformed properties file (bad \\u escape), with the line number."""
+
+
+def parse_properties(text: str) -> dict[str, str]:
+    """Parse properties text into an ordered dict; a later key replaces an earlier one."""
+    result: dict[str, str] = {}
+    for lineno, logical in _logical_lines(text):
+        key, value = _split_key_value(logical)
+        try:
+            result[_unescape(key)] = _unescape(value).strip()
+        except PropertiesError as exc:
+            raise PropertiesError(f"line {lineno}: {exc}") from None
+    return result
+
+
+def read_properties(path: str) -> dict[str, str]:
+    with open(path, encoding="utf-8") as f:
+        return parse_properties(f.read())
+
+
+def _logical_lines(text: str):
+    """Yield (first physical line number, logical line) with continuations joined."""
+    buf: list[str] = []
+    start = 0
+    for lineno, raw in enumerate(text.splitlines(), start=1):
+        line = raw.lstrip(" \t\f")
+        if not buf:
+            if not line or line[0] in "#!":
+                continue
+            start = lineno
+        trailing = len(line) - len(line.rstrip("\\"))
+        if trailing % 2 == 1:
+            buf.append(line[:-1])
+            continue
+        buf.append(line)
+        yield start, "".join(buf)
+        buf = []
+    if buf:
+        yield start, "".join(buf)
+
+
+def _split_key_value(line: str) -> tuple[str, str]:
+    i = 0
+    while i < len(line):
+        ch = line[i]
+        if ch == "\\":
+            i += 2
+            continue
+        if ch in _SEPARATORS:
+            break
+        i += 1
+    key, rest = line[:i], line[i:]
+    rest = rest.lstrip(" \t\f")
+    if rest[:1] in ("=", ":"):
+        rest = rest[1:].lstrip(" \t\f")
+    return key, rest
+
+
+def _unescape(s: str) -> str:
+    if "\\" not in s:
+        return s
+    out: list[str] = []
+    i = 0
+    while i < len(s):
+        ch = s[i]
+        if ch != "\\" or i + 1 >= len(s):
+            out.append(ch)
+            i += 1
+            continue
+        nxt = s[i + 1]
+        if nxt == "u":
+            digits = s[i + 2 : i + 6]
+            if len(digits) != 4 or any(c not in "0123456789abcdefABCDEF" for c in digits):
+                raise PropertiesError(f"malformed \\u escape {s[i:i + 6]!r}")
+            out.append(chr(int(digits, 16)))
+            i += 6
+            continue
+        out.append(_ESCAPES.get(nxt, nxt))
+        i += 2
+    return "".join(out)

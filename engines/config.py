@@ -1,0 +1,98 @@
+"""The resolved, validated configuration that the launcher hands to the engine and the HTTP workers.
+
+`container.config` builds it once from serving.properties and the environment; it travels as JSON
+in the per-launch run directory. Nothing here reads the environment. Pure Python (no torch), so
+handlers may import it.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+ENGINE_DYNAMIC = "dynamic"
+ENGINE_ROLLING = "rolling"
+ENGINE_PAGED = "paged"
+ENGINE_KINDS = (ENGINE_DYNAMIC, ENGINE_ROLLING, ENGINE_PAGED)
+
+# Architectures with our own (TP-aware) implementation; anything else runs on the HF fallback path,
+# which only the padded rolling-batch engine (and dynamic batching) can drive.
+NATIVE_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
+
+
+class ModelConfig(msgspec.Struct, frozen=True):
+    local_dir: str  # where the weights are, after s3/hub resolution
+    model_id: str | None = None  # what the user asked for
+    revision: str | None = None
+    dtype: str = "fp32"  # fp32 | fp16 | bf16 | auto (= the checkpoint's torch_dtype)
+    trust_remote_code: bool = False
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    quantize: str | None = None
+
+
+class SchedulerConfig(msgspec.Struct, frozen=True):
+    engine_kind: str = ENGINE_PAGED
+    # dynamic batching
+    batch_size: int = 1
+    max_batch_delay_ms: int = 100
+    # every engine: requests waiting for admission beyond this are refused with 503
+    job_queue_size: int = 1000
+    # rolling engines
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 1024
+    kv_block_size: int = 16
+    enable_prefix_caching: bool = False
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: str | None = None  # CPU: bytes ("2GiB", "1073741824") or a fraction ("0.3")
+    predict_timeout_s: float = 240.0
+    enforce_eager: bool = False
+
+
+class ParallelConfig(msgspec.Struct, frozen=True):
+    use_mpi: bool = False
+    tensor_parallel_degree: int = 1
+
+
+class ServerConfig(msgspec.Struct, frozen=True):
+    port: int = 8080
+    max_request_size: int = 64 * 1024 * 1024
+    http_workers: int = 2
+    http_threads: int = 32
+    output_formatter: str = "json"  # json | jsonlines | sse
+    default_max_new_tokens: int = 30
+    model_loading_timeout_s: float = 1800.0
+
+
+class LmiConfig(msgspec.Struct, frozen=True):
+    model: ModelConfig
+    scheduler: SchedulerConfig = SchedulerConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    server: ServerConfig = ServerConfig()
+
+    def to_json(self) -> bytes:
+        return msgspec.json.encode(self)
+
+    @classmethod
+    def from_json(cls, data: bytes) -> "LmiConfig":
+        return msgspec.json.decode(data, type=cls)
+
+    @classmethod
+    def read(cls, path: str) -> "LmiConfig":
+        with open(path, "rb") as f:
+            return cls.from_json(f.read())
+
+
+def model_max_len(local_dir: str, override: int | None = None) -> int:
+    """`option.max_model_len`, else the checkpoint's position limit (config.json), else 2048."""
+    if override:
+        return override
+    import json
+    import os
+
+    path = os.path.join(local_dir, "config.json")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+        for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+            if isinstance(cfg.get(key), int):
+                return cfg[key]
+    return 2048

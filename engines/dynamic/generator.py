@@ -1,0 +1,89 @@
+"""HF `generate` over a left-padded batch of prompts that share their sampling parameters."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from engines.config import ModelConfig
+from engines.protocol import FINISH_EOS, FINISH_LENGTH, Add, Output
+from engines.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def torch_dtype(name: str, checkpoint_dtype: str | None = None) -> torch.dtype:
+    if name == "auto":
+        return getattr(torch, checkpoint_dtype, torch.float32) if checkpoint_dtype else torch.float32
+    return TORCH_DTYPES[name]
+
+
+class HFGenerator:
+    def __init__(self, config: ModelConfig):
+        self.config = config
+        self.model = None
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def load(self) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        started = time.perf_counter()
+        hf_config = AutoConfig.from_pretrained(self.config.local_dir, trust_remote_code=self.config.trust_remote_code)
+        dtype = torch_dtype(self.config.dtype, str(getattr(hf_config, "torch_dtype", None) or "").replace("torch.", "") or None)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            self.config.local_dir, dtype=dtype, trust_remote_code=self.config.trust_remote_code,
+            use_safetensors=True).to(self.device).eval()
+        gen = self.model.generation_config
+        self.eos_token_ids = _as_list(gen.eos_token_id if gen.eos_token_id is not None else hf_config.eos_token_id)
+        pad = gen.pad_token_id if gen.pad_token_id is not None else hf_config.pad_token_id
+        self.pad_token_id = pad if pad is not None else (self.eos_token_ids[0] if self.eos_token_ids else 0)
+        log.info("loaded %s (%s) in %.1f s on %s", type(self.model).__name__, dtype,
+                 time.perf_counter() - started, self.device)
+
+    @torch.inference_mode()
+    def generate(self, batch: list[Add]) -> list[Output]:
+        params = batch[0].sampling
+        prompts = [r.prompt_token_ids for r in batch]
+        width = max(len(p) for p in prompts)
+        # left padding: [batch, width], real tokens right-aligned
+        input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            input_ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            attention_mask[i, width - len(p):] = 1
+        stop_ids = list(params.stop_token_ids) + ([] if params.ignore_eos else self.eos_token_ids)
+        if params.seed is not None:
+            torch.manual_seed(params.seed)
+        out = self.model.generate(
+            input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
+            generation_config=self._generation_config(params, stop_ids))
+        generated = out[:, width:].tolist()
+        return [_to_output(req.request_id, ids, set(stop_ids)) for req, ids in zip(batch, generated)]
+
+    def _generation_config(self, params: SamplingParams, stop_ids: list[int]):
+        from transformers import GenerationConfig
+
+        sampling = dict(temperature=params.temperature, top_k=params.top_k or None, top_p=params.top_p) \
+            if params.do_sample else {}
+        return GenerationConfig(
+            max_new_tokens=params.max_new_tokens, do_sample=params.do_sample,
+            repetition_penalty=params.repetition_penalty, pad_token_id=self.pad_token_id,
+            eos_token_id=stop_ids or None, bos_token_id=self.model.generation_config.bos_token_id, **sampling)
+
+
+def _to_output(request_id: str, ids: list[int], stop_ids: set[int]) -> Output:
+    """Cut a generated row after its first stop token (HF pads finished rows after it)."""
+    for n, tok in enumerate(ids):
+        if tok in stop_ids:
+            return Output(request_id, ids[: n + 1], finished=True, finish_reason=FINISH_EOS)
+    return Output(request_id, ids, finished=True, finish_reason=FINISH_LENGTH)
+
+
+def _as_list(value) -> list[int]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]

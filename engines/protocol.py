@@ -1,0 +1,88 @@
+"""Messages between the HTTP workers and the engine (ZeroMQ frames, msgpack via msgspec).
+
+    worker ──ADD / ABORT / HEALTH──►  engine (ROUTER)
+    worker ◄──OUTPUT / HEALTH_REPLY── engine
+
+Each worker process holds one DEALER socket; the engine replies to the socket a request came from.
+Token ids travel once (in ADD); outputs carry only the new token ids of each step.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from engines.sampling_params import SamplingParams
+
+# engine states, as /ping shows them
+STATE_LOADING = "loading"
+STATE_READY = "ready"
+STATE_DEAD = "dead"
+
+# finish reasons (LMI names)
+FINISH_LENGTH = "length"
+FINISH_EOS = "eos_token"
+FINISH_STOP = "stop_sequence"
+FINISH_ERROR = "error"
+FINISH_ABORT = "abort"
+
+
+class Add(msgspec.Struct, tag="add", frozen=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+
+
+class Abort(msgspec.Struct, tag="abort", frozen=True):
+    request_id: str
+
+
+class Health(msgspec.Struct, tag="health", frozen=True):
+    nonce: int = 0
+
+
+class HealthReply(msgspec.Struct, tag="health_reply", frozen=True):
+    state: str
+    nonce: int = 0
+    detail: str = ""
+    num_waiting: int = 0
+    num_running: int = 0
+    num_batches: int = 0
+
+
+class Output(msgspec.Struct, tag="output", frozen=True):
+    """New tokens of one request (a step's worth, or all of them for dynamic batching)."""
+
+    request_id: str
+    token_ids: list[int]
+    log_probs: list[float] = []
+    finished: bool = False
+    finish_reason: str | None = None
+    # set when the request failed: an HTTP status (424 model error, 503 queue full, 507 OOM)
+    error_code: int | None = None
+    error: str | None = None
+    # id of the engine batch that produced it (dynamic batching: observable batching)
+    batch_id: int | None = None
+
+
+ToEngine = Add | Abort | Health
+FromEngine = Output | HealthReply
+
+_encoder = msgspec.msgpack.Encoder()
+_to_engine = msgspec.msgpack.Decoder(ToEngine)
+_from_engine = msgspec.msgpack.Decoder(FromEngine)
+
+
+def encode(msg: ToEngine | FromEngine) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_to_engine(data: bytes) -> ToEngine:
+    return _to_engine.decode(data)
+
+
+def decode_from_engine(data: bytes) -> FromEngine:
+    return _from_engine.decode(data)
+
+
+def engine_socket_path(run_dir: str) -> str:
+    return f"ipc://{run_dir}/engine.sock"

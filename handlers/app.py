@@ -1,0 +1,142 @@
+"""The Flask app each gunicorn worker runs: `/ping`, `/invocations`, `/predictions/<model>`.
+
+Workers are thin: validate, tokenize, send token ids to the engine, wait, detokenize, format.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import uuid
+
+from flask import Flask, Response, g, request
+from werkzeug.exceptions import HTTPException
+
+from engines.config import ENGINE_DYNAMIC, LmiConfig, model_max_len
+from engines.protocol import STATE_READY, Add, engine_socket_path
+from handlers.engine_client import EngineClient
+from handlers.errors import HttpError, bad_request
+from handlers.formatters import format_response, generation_result
+from handlers.schemas import GenerationRequest, parse_body, parse_request
+from handlers.tokenizer import TextTokenizer
+
+log = logging.getLogger("handlers.app")
+
+PING_TIMEOUT_S = 1.0
+
+
+class Service:
+    """What the routes share in one worker process."""
+
+    def __init__(self, config: LmiConfig, client: EngineClient, tokenizer: TextTokenizer):
+        self.config = config
+        self.client = client
+        self.tokenizer = tokenizer
+        self.max_model_len = model_max_len(config.model.local_dir, config.model.max_model_len)
+        self.is_dynamic = config.scheduler.engine_kind == ENGINE_DYNAMIC
+        self.engine_ready = False
+
+    def require_ready(self) -> None:
+        if self.engine_ready:
+            return
+        reply = self.client.health(PING_TIMEOUT_S)
+        if reply is None or reply.state != STATE_READY:
+            state = reply.state if reply else "not responding"
+            raise HttpError(503, f"the model is not ready (engine {state}); retry later")
+        self.engine_ready = True
+
+    def generate(self, req: GenerationRequest, request_id: str) -> list:
+        prompts = [self.tokenizer.encode(text) for text in req.inputs]
+        for i, ids in enumerate(prompts):
+            total = len(ids) + req.sampling.max_new_tokens
+            if total > self.max_model_len:
+                where = f"input {i}" if req.is_list else "the input"
+                raise bad_request(f"{where} has {len(ids)} tokens and max_new_tokens is "
+                                  f"{req.sampling.max_new_tokens}: {total} exceeds the model's maximum "
+                                  f"length of {self.max_model_len} tokens")
+        ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        queues = [self.client.add(Add(rid, p, req.sampling)) for rid, p in zip(ids, prompts)]
+        deadline = time.monotonic() + self.config.scheduler.predict_timeout_s
+        try:
+            return [generation_result(q, deadline, self.tokenizer, text, req, len(p))
+                    for q, text, p in zip(queues, req.inputs, prompts)]
+        finally:
+            for rid in ids:
+                self.client.release(rid)
+
+
+def create_app(run_dir: str) -> Flask:
+    config = LmiConfig.read(os.path.join(run_dir, "config.json"))
+    service = Service(config, EngineClient(engine_socket_path(run_dir)), TextTokenizer(config.model.local_dir))
+    return build_app(service)
+
+
+def build_app(service: Service) -> Flask:
+    app = Flask("lmi-serve")
+    app.config["MAX_CONTENT_LENGTH"] = service.config.server.max_request_size
+    app.json.sort_keys = False
+
+    @app.before_request
+    def _request_id():
+        g.request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+
+    @app.after_request
+    def _tag(resp: Response):
+        resp.headers["X-Request-Id"] = g.get("request_id", "")
+        return resp
+
+    @app.errorhandler(HttpError)
+    def _http_error(err: HttpError):
+        log.info("[%s] %d %s", g.get("request_id"), err.code, err.message)
+        return err.response()
+
+    @app.errorhandler(HTTPException)
+    def _werkzeug_error(err: HTTPException):
+        code = err.code or 500
+        if code == 413:
+            message = f"the request body exceeds max_request_size ({service.config.server.max_request_size} bytes)"
+        else:
+            message = err.description or err.name
+        return _http_error(HttpError(code, message))
+
+    @app.errorhandler(Exception)
+    def _unexpected(err: Exception):
+        log.exception("[%s] unexpected error", g.get("request_id"))
+        return _http_error(HttpError(500, f"internal error: {type(err).__name__}"))
+
+    @app.get("/ping")
+    @app.get("/health")
+    def ping():
+        reply = service.client.health(PING_TIMEOUT_S)
+        if reply is None:
+            service.engine_ready = False
+            return _json({"status": "unhealthy", "engine": "not responding"}, 503)
+        service.engine_ready = reply.state == STATE_READY
+        body = {"status": "healthy" if service.engine_ready else reply.state, "engine": reply.state,
+                "engine_kind": service.config.scheduler.engine_kind,
+                "waiting": reply.num_waiting, "running": reply.num_running, "batches": reply.num_batches}
+        if reply.detail:
+            body["detail"] = reply.detail
+        return _json(body, 200 if service.engine_ready else 503)
+
+    @app.post("/invocations")
+    @app.post("/predictions/<model_name>")
+    def invocations(model_name: str | None = None):
+        body = parse_body(request.get_data(), request.content_type)
+        req = parse_request(body, default_max_new_tokens=service.config.server.default_max_new_tokens)
+        if req.stream and service.is_dynamic:
+            raise bad_request("streaming is not supported with dynamic batching (batch_size>1 or "
+                              "option.rolling_batch=disable); send \"stream\": false")
+        service.require_ready()
+        results = service.generate(req, g.request_id)
+        log.info("[%s] %d input(s), %s tokens", g.request_id, len(results),
+                 [r.num_generated_tokens for r in results])
+        return _json(format_response(results, req, list_shape=service.is_dynamic or req.is_list), 200)
+
+    return app
+
+
+def _json(body, status: int) -> Response:
+    return Response(json.dumps(body, ensure_ascii=False), status=status, mimetype="application/json")

@@ -1,0 +1,175 @@
+"""The LMI request schema: parse and validate a body into prompts and SamplingParams.
+
+Every problem is a 400 that names the field; unknown parameters are logged and ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+
+from engines.sampling_params import SamplingParams
+from handlers.errors import bad_request
+
+log = logging.getLogger(__name__)
+
+MAX_TOP_N_TOKENS = 20
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    inputs: list[str]
+    is_list: bool  # "inputs" was a list (the answer then is a list too)
+    sampling: SamplingParams
+    stream: bool = False
+    details: bool = False
+    return_full_text: bool = False
+    decoder_input_details: bool = False
+    stop_sequences: tuple[str, ...] = ()
+    ignored_parameters: tuple[str, ...] = field(default=())
+
+
+def parse_body(raw: bytes, content_type: str | None) -> dict:
+    """JSON object from the body; text/plain becomes {"inputs": text} (as DJL decodes it)."""
+    mime = (content_type or "").split(";")[0].strip().lower()
+    if mime == "text/plain":
+        try:
+            return {"inputs": raw.decode("utf-8")}
+        except UnicodeDecodeError:
+            raise bad_request("the text/plain body is not valid UTF-8") from None
+    if not raw.strip():
+        raise bad_request("the request body is empty; send JSON such as {\"inputs\": \"Hello\"}")
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body must be a JSON object, not {_type_name(body)}")
+    return body
+
+
+def parse_request(body: dict, *, default_max_new_tokens: int) -> GenerationRequest:
+    if "messages" in body:
+        raise bad_request("chat requests (\"messages\") are not supported by this engine; send \"inputs\"")
+    if "inputs" not in body:
+        raise bad_request("missing \"inputs\": send {\"inputs\": \"text\"} or {\"inputs\": [\"text\", ...]}")
+    inputs, is_list = _inputs(body["inputs"])
+    params = body.get("parameters", {})
+    if params is None:
+        params = {}
+    if not isinstance(params, dict):
+        raise bad_request(f"\"parameters\" must be a JSON object, not {_type_name(params)}")
+    stream = _bool(body, "stream", False, where="")
+    if "stream" in params:
+        stream = _bool(params, "stream", False)
+    return _build(inputs, is_list, params, stream, default_max_new_tokens)
+
+
+def _inputs(value) -> tuple[list[str], bool]:
+    if isinstance(value, str):
+        return [value], False
+    if isinstance(value, list):
+        if not value:
+            raise bad_request("\"inputs\" is an empty list; send at least one string")
+        for i, item in enumerate(value):
+            if not isinstance(item, str):
+                raise bad_request(f"\"inputs\"[{i}] must be a string, not {_type_name(item)}")
+        return list(value), True
+    raise bad_request(f"\"inputs\" must be a string or a list of strings, not {_type_name(value)}")
+
+
+_KNOWN = {"max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "repetition_penalty", "seed",
+          "stop_sequences", "stop", "ignore_eos", "ignore_eos_token", "details", "return_full_text",
+          "decoder_input_details", "top_n_tokens", "stop_token_ids", "stream"}
+
+
+def _build(inputs, is_list, params: dict, stream: bool, default_max_new_tokens: int) -> GenerationRequest:
+    ignored = tuple(sorted(k for k in params if k not in _KNOWN))
+    if ignored:
+        log.warning("ignoring unknown parameters: %s", ", ".join(ignored))
+    do_sample = _bool(params, "do_sample", False)
+    temperature = _number(params, "temperature", 1.0, minimum=0.0)
+    top_k = _int(params, "top_k", 0, minimum=-1)
+    top_p = _number(params, "top_p", 1.0, minimum=0.0, maximum=1.0, open_low=True)
+    sampling = SamplingParams(
+        max_new_tokens=_int(params, "max_new_tokens", default_max_new_tokens, minimum=1),
+        # temperature 0 means greedy, as in vLLM and TGI
+        do_sample=do_sample and temperature > 0,
+        temperature=temperature if temperature > 0 else 1.0,
+        top_k=max(top_k, 0), top_p=top_p,
+        repetition_penalty=_number(params, "repetition_penalty", 1.0, minimum=0.0, open_low=True),
+        seed=_int(params, "seed", None, minimum=0),
+        ignore_eos=_bool(params, "ignore_eos", False) or _bool(params, "ignore_eos_token", False),
+        stop_token_ids=tuple(_int_list(params, "stop_token_ids")),
+        top_n_tokens=_int(params, "top_n_tokens", 0, minimum=0, maximum=MAX_TOP_N_TOKENS),
+    )
+    return GenerationRequest(
+        inputs=inputs, is_list=is_list, sampling=sampling, stream=stream,
+        details=_bool(params, "details", False), return_full_text=_bool(params, "return_full_text", False),
+        decoder_input_details=_bool(params, "decoder_input_details", False),
+        stop_sequences=_stop_sequences(params), ignored_parameters=ignored)
+
+
+def _bool(params: dict, name: str, default, where: str = "parameters."):
+    value = params.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad_request(f"\"{where}{name}\" must be true or false, not {json.dumps(value)}")
+    return value
+
+
+def _int(params: dict, name: str, default, *, minimum=None, maximum=None):
+    value = params.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        else:
+            raise bad_request(f"\"parameters.{name}\" must be an integer, not {json.dumps(value)}")
+    if minimum is not None and value < minimum:
+        raise bad_request(f"\"parameters.{name}\" must be >= {minimum}, not {value}")
+    if maximum is not None and value > maximum:
+        raise bad_request(f"\"parameters.{name}\" must be <= {maximum}, not {value}")
+    return value
+
+
+def _number(params: dict, name: str, default, *, minimum=None, maximum=None, open_low=False):
+    value = params.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise bad_request(f"\"parameters.{name}\" must be a number, not {json.dumps(value)}")
+    if value != value or value in (float("inf"), float("-inf")):
+        raise bad_request(f"\"parameters.{name}\" must be a finite number")
+    if minimum is not None and (value < minimum or (open_low and value == minimum)):
+        op = ">" if open_low else ">="
+        raise bad_request(f"\"parameters.{name}\" must be {op} {minimum}, not {value}")
+    if maximum is not None and value > maximum:
+        raise bad_request(f"\"parameters.{name}\" must be <= {maximum}, not {value}")
+    return float(value)
+
+
+def _int_list(params: dict, name: str) -> list[int]:
+    value = params.get(name) or []
+    if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in value):
+        raise bad_request(f"\"parameters.{name}\" must be a list of token ids (non-negative integers)")
+    return value
+
+
+def _stop_sequences(params: dict) -> tuple[str, ...]:
+    value = params.get("stop_sequences", params.get("stop"))
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise bad_request("\"parameters.stop_sequences\" must be a string or a list of non-empty strings")
+    return tuple(value)
+
+
+def _type_name(value) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null",
+            int: "a number", float: "a number"}.get(type(value), type(value).__name__)
