@@ -9,26 +9,27 @@ from dataclasses import dataclass
 from engines.protocol import FINISH_STOP, Output
 from handlers.errors import HttpError
 from handlers.schemas import GenerationRequest
-from handlers.tokenizer import TextTokenizer
+from handlers.tokenizer import IncrementalDetokenizer, TextTokenizer
 
 
 @dataclass
 class GenerationResult:
     input_text: str
     generated_text: str
-    token_ids: list[int]
+    tokens: list[dict]  # {"id", "text", "log_prob"} per generated token
     finish_reason: str
     num_prompt_tokens: int
     batch_id: int | None = None
 
     @property
     def num_generated_tokens(self) -> int:
-        return len(self.token_ids)
+        return len(self.tokens)
 
 
-def collect(q: "queue.SimpleQueue[Output]", deadline: float) -> tuple[list[int], Output]:
-    """All token ids of one request and its final output; engine errors become HttpErrors."""
+def collect(q: "queue.SimpleQueue[Output]", deadline: float) -> tuple[list[int], list[float], Output]:
+    """All token ids (and log-probs) of one request and its final output; engine errors raise."""
     token_ids: list[int] = []
+    log_probs: list[float] = []
     while True:
         remaining = deadline - time.monotonic()
         try:
@@ -38,8 +39,9 @@ def collect(q: "queue.SimpleQueue[Output]", deadline: float) -> tuple[list[int],
         if out.error_code is not None:
             raise HttpError(out.error_code, out.error or "the model failed during generation")
         token_ids.extend(out.token_ids)
+        log_probs.extend(out.log_probs)
         if out.finished:
-            return token_ids, out
+            return token_ids, log_probs, out
 
 
 def trim_at_stop(text: str, stop_sequences: tuple[str, ...]) -> tuple[str, bool]:
@@ -50,18 +52,37 @@ def trim_at_stop(text: str, stop_sequences: tuple[str, ...]) -> tuple[str, bool]
 
 def generation_result(q, deadline: float, tokenizer: TextTokenizer, input_text: str,
                       req: GenerationRequest, num_prompt_tokens: int) -> GenerationResult:
-    token_ids, last = collect(q, deadline)
-    text, stopped = trim_at_stop(tokenizer.decode(token_ids), req.stop_sequences)
-    return GenerationResult(input_text, text, token_ids, FINISH_STOP if stopped else last.finish_reason,
+    token_ids, log_probs, last = collect(q, deadline)
+    detok = IncrementalDetokenizer(tokenizer)
+    tokens = [{"id": tid, "text": detok.add(tid), "log_prob": lp}
+              for tid, lp in zip(token_ids, log_probs or [None] * len(token_ids))]
+    if tokens:
+        tokens[-1]["text"] += detok.flush()
+    full = "".join(t["text"] for t in tokens)
+    text, stopped = trim_at_stop(full, req.stop_sequences)
+    if stopped:
+        tokens = _tokens_covering(tokens, len(text))
+    return GenerationResult(input_text, text, tokens, FINISH_STOP if stopped else last.finish_reason,
                             num_prompt_tokens, last.batch_id)
+
+
+def _tokens_covering(tokens: list[dict], length: int) -> list[dict]:
+    """The shortest prefix of `tokens` whose texts reach `length` characters (the stop's token)."""
+    kept, seen = [], 0
+    for tok in tokens:
+        if seen >= length and kept:
+            break
+        kept.append(tok)
+        seen += len(tok["text"])
+    return kept
 
 
 def _one(result: GenerationResult, req: GenerationRequest) -> dict:
     text = result.input_text + result.generated_text if req.return_full_text else result.generated_text
     body: dict = {"generated_text": text}
     if req.details:
-        body["details"] = {"finish_reason": result.finish_reason,
-                           "generated_tokens": result.num_generated_tokens, "inputs": result.input_text}
+        body["details"] = {"finish_reason": result.finish_reason, "generated_tokens": result.num_generated_tokens,
+                           "inputs": result.input_text, "tokens": result.tokens}
     return body
 
 

@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import boto3
@@ -15,6 +11,7 @@ import huggingface_hub.constants as hf_constants
 import pytest
 
 from container.artifacts import ArtifactError, resolve_model
+from tests.support import free_port
 
 BUCKET = "models"
 PREFIX = "llama/v1"
@@ -25,34 +22,6 @@ FAKE_MODEL = {
     "tokenizer/tokenizer.json": os.urandom(8 * 1024),
     "nested/deeper/weights.bin": os.urandom(16 * 1024),
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def moto_endpoint():
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            urllib.request.urlopen(url, timeout=1).close()
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError("moto server did not start")
-            time.sleep(0.1)
-    yield url
-    proc.kill()
-    proc.wait(timeout=10)
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +66,7 @@ def test_s3_download_matches_and_is_cached(bucket, aws_env, tmp_path, monkeypatc
     assert os.listdir(dl) == [os.path.basename(first)]  # no temp dir left behind
 
     # Second call must not touch S3: point it at a closed port and forbid client creation.
-    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{_free_port()}")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
     monkeypatch.setattr(boto3, "client", lambda *a, **k: pytest.fail("S3 was contacted"))
     again = resolve_model(f"s3://{bucket}/{PREFIX}/", None, download_dir=dl, progress=False)
     assert again == first
@@ -106,7 +75,7 @@ def test_s3_download_matches_and_is_cached(bucket, aws_env, tmp_path, monkeypatc
 
 def test_closed_endpoint_is_reported(bucket, aws_env, tmp_path, monkeypatch):
     """Sanity check for the test above: an uncached URL with a dead endpoint fails."""
-    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{_free_port()}")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
     url = f"s3://{bucket}/{PREFIX}/"
     with pytest.raises(ArtifactError, match=url):
         resolve_model(url, None, download_dir=str(tmp_path), progress=False)

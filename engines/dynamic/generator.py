@@ -60,9 +60,14 @@ class HFGenerator:
             torch.manual_seed(params.seed)
         out = self.model.generate(
             input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
-            generation_config=self._generation_config(params, stop_ids))
-        generated = out[:, width:].tolist()
-        return [_to_output(req.request_id, ids, set(stop_ids)) for req, ids in zip(batch, generated)]
+            generation_config=self._generation_config(params, stop_ids),
+            return_dict_in_generate=True, output_scores=True)
+        new_ids = out.sequences[:, width:]  # [batch, steps]
+        # log-probability of each chosen token under the (processed) distribution it was drawn from
+        scores = torch.stack(out.scores, dim=1).float()  # [batch, steps, vocab]
+        log_probs = torch.log_softmax(scores, dim=-1).gather(-1, new_ids.unsqueeze(-1)).squeeze(-1)
+        return [_to_output(req.request_id, ids, lps, set(stop_ids))
+                for req, ids, lps in zip(batch, new_ids.tolist(), log_probs.tolist())]
 
     def _generation_config(self, params: SamplingParams, stop_ids: list[int]):
         from transformers import GenerationConfig
@@ -75,12 +80,12 @@ class HFGenerator:
             eos_token_id=stop_ids or None, bos_token_id=self.model.generation_config.bos_token_id, **sampling)
 
 
-def _to_output(request_id: str, ids: list[int], stop_ids: set[int]) -> Output:
+def _to_output(request_id: str, ids: list[int], log_probs: list[float], stop_ids: set[int]) -> Output:
     """Cut a generated row after its first stop token (HF pads finished rows after it)."""
     for n, tok in enumerate(ids):
         if tok in stop_ids:
-            return Output(request_id, ids[: n + 1], finished=True, finish_reason=FINISH_EOS)
-    return Output(request_id, ids, finished=True, finish_reason=FINISH_LENGTH)
+            return Output(request_id, ids[: n + 1], log_probs[: n + 1], finished=True, finish_reason=FINISH_EOS)
+    return Output(request_id, ids, log_probs, finished=True, finish_reason=FINISH_LENGTH)
 
 
 def _as_list(value) -> list[int]:

@@ -1,0 +1,76 @@
+"""Helpers the tests share: free ports and real `lmi serve` processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+
+ROOT = Path(__file__).resolve().parents[1]
+LMI = [sys.executable, "-m", "container.cli"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    """`lmi serve` (or another launcher command) as a real subprocess on a free port."""
+
+    def __init__(self, tmp: Path, properties: str | None, model_dir: Path | None, *,
+                 env: dict[str, str] | None = None, cmd: list[str] | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = tmp / f"server-{self.port}.log"
+        args = list(cmd) if cmd else [*LMI, "serve", "--host", "127.0.0.1", "--port", str(self.port)]
+        if properties is not None:
+            props = tmp / f"serving-{self.port}.properties"
+            props.write_text(properties)
+            args += ["--properties", str(props)]
+        if model_dir is not None and not cmd:
+            args += ["--model-dir", str(model_dir)]
+        full_env = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(args, cwd=ROOT, env=full_env, stdout=self._log, stderr=subprocess.STDOUT)
+        self.ping_statuses: list[int] = []
+
+    def wait_ready(self, timeout: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                status = requests.get(self.url + "/ping", timeout=3).status_code
+                self.ping_statuses.append(status)
+                if status == 200:
+                    return
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"server not ready in {timeout} s:\n{self.log()}")
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text()
+
+    def post(self, body, path: str = "/invocations", **kwargs) -> requests.Response:
+        return requests.post(self.url + path, json=body, timeout=kwargs.pop("timeout", 120), **kwargs)
+
+    def stop(self, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode

@@ -1,0 +1,202 @@
+"""End to end: `lmi serve` as a real subprocess (launcher + engine + gunicorn) with dynamic batching.
+
+The oracle is HF `generate` on the same tiny model in this process.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import re
+
+import pytest
+import requests
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from container.model_maker import corpus_lines
+from tests.support import Server
+
+MAX_REQUEST_SIZE = 100_000
+PROPERTIES = f"""
+engine=Python
+option.rolling_batch=disable
+batch_size=4
+max_batch_delay=500
+option.dtype=fp32
+max_request_size={MAX_REQUEST_SIZE}
+"""
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    srv = Server(tmp_path_factory.mktemp("dyn"), PROPERTIES, tiny_model)
+    srv.wait_ready()
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_model):
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+
+    def generate(prompt: str, max_new_tokens: int) -> list[int]:
+        enc = tok(prompt, return_tensors="pt")
+        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
+        ids = out[0, enc.input_ids.shape[1]:].tolist()
+        return ids[: ids.index(tok.eos_token_id) + 1] if tok.eos_token_id in ids else ids
+
+    generate.decode = lambda ids: tok.decode(ids, skip_special_tokens=True)
+    return generate
+
+
+PROMPTS = [line[: 8 + 9 * i] for i, line in enumerate(corpus_lines()[:8])]
+
+
+def _ids(body: dict) -> list[int]:
+    return [t["id"] for t in body["details"]["tokens"]]
+
+
+def _batches(server: Server) -> int:
+    return requests.get(server.url + "/ping", timeout=5).json()["batches"]
+
+
+def test_ping_goes_from_503_to_200(server):
+    assert server.ping_statuses[-1] == 200
+    assert 503 in server.ping_statuses, server.ping_statuses
+    first_ok = server.ping_statuses.index(200)
+    assert all(s == 503 for s in server.ping_statuses[:first_ok])
+    body = requests.get(server.url + "/ping", timeout=5).json()
+    assert body["status"] == "healthy" and body["engine_kind"] == "dynamic"
+
+
+@pytest.mark.parametrize("prompt", PROMPTS, ids=[f"len{len(p)}" for p in PROMPTS])
+def test_greedy_single_input_equals_hf_generate(server, hf, prompt):
+    resp = server.post({"inputs": prompt, "parameters": {"max_new_tokens": 24, "details": True}})
+    assert resp.status_code == 200, resp.text
+    (body,) = resp.json()  # dynamic batching answers a list, one object per input (DJL's shape)
+    expected = hf(prompt, 24)
+    assert _ids(body) == expected
+    assert body["generated_text"] == "".join(t["text"] for t in body["details"]["tokens"])
+    assert body["generated_text"] == hf.decode(expected)
+    assert body["details"]["generated_tokens"] == len(expected)
+    assert body["details"]["finish_reason"] in ("length", "eos_token")
+
+
+def test_list_input_answers_each_prompt_in_order(server, hf):
+    prompts = PROMPTS[:3]
+    resp = server.post({"inputs": prompts, "parameters": {"max_new_tokens": 12, "details": True}})
+    assert resp.status_code == 200, resp.text
+    bodies = resp.json()
+    assert [_ids(b) for b in bodies] == [hf(p, 12) for p in prompts]
+    assert [b["details"]["inputs"] for b in bodies] == prompts
+
+
+def test_default_response_is_generated_text_only(server, hf):
+    resp = server.post({"inputs": PROMPTS[0]})
+    assert resp.status_code == 200
+    assert resp.json() == [{"generated_text": hf.decode(hf(PROMPTS[0], 30))}]  # max_new_tokens default 30
+
+
+def test_return_full_text_prepends_the_prompt(server, hf):
+    resp = server.post({"inputs": PROMPTS[1], "parameters": {"max_new_tokens": 5, "return_full_text": True}})
+    assert resp.json()[0]["generated_text"] == PROMPTS[1] + hf.decode(hf(PROMPTS[1], 5))
+
+
+def test_four_concurrent_requests_run_as_one_batch(server, hf):
+    before = _batches(server)
+    prompts = PROMPTS[2:6]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(server.post, {"inputs": p, "parameters": {"max_new_tokens": 10, "details": True}},
+                               headers={"X-Request-Id": f"four-{i}"}) for i, p in enumerate(prompts)]
+        bodies = [f.result().json()[0] for f in futures]
+    assert _batches(server) == before + 1
+    assert [_ids(b) for b in bodies] == [hf(p, 10) for p in prompts]
+    batch_lines = [line for line in server.log().splitlines() if re.search(r"batch \d+: 4 prompts", line)]
+    assert any(all(f"four-{i}-0" in line for i in range(4)) for line in batch_lines), batch_lines
+
+
+def test_different_parameters_go_to_separate_batches(server, hf):
+    before = _batches(server)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        a = pool.submit(server.post, {"inputs": PROMPTS[0], "parameters": {"max_new_tokens": 6, "details": True}})
+        b = pool.submit(server.post, {"inputs": PROMPTS[1], "parameters": {"max_new_tokens": 9, "details": True}})
+        body_a, body_b = a.result().json()[0], b.result().json()[0]
+    assert _batches(server) == before + 2
+    assert _ids(body_a) == hf(PROMPTS[0], 6)
+    assert _ids(body_b) == hf(PROMPTS[1], 9)
+
+
+def test_stop_sequence_trims_text_and_reports_it(server, hf):
+    full = hf.decode(hf(PROMPTS[3], 20))
+    stop = full[5:9]
+    resp = server.post({"inputs": PROMPTS[3], "parameters": {"max_new_tokens": 20, "details": True,
+                                                             "stop_sequences": [stop]}})
+    body = resp.json()[0]
+    assert body["generated_text"] == full[: full.index(stop)]
+    assert body["details"]["finish_reason"] == "stop_sequence"
+
+
+def test_request_id_is_echoed(server):
+    resp = server.post({"inputs": "hi", "parameters": {"max_new_tokens": 2}}, headers={"X-Request-Id": "rid-123"})
+    assert resp.headers["X-Request-Id"] == "rid-123"
+    assert "rid=rid-123" in server.log()
+    assert len(requests.get(server.url + "/ping").headers["X-Request-Id"]) == 32
+
+
+BAD_INPUTS = [
+    ("invalid-json", b"{not json", 400, "not valid JSON"),
+    ("not-an-object", b"[1, 2]", 400, "must be a JSON object"),
+    ("empty-body", b"", 400, "body is empty"),
+    ("missing-inputs", {"parameters": {}}, 400, 'missing "inputs"'),
+    ("inputs-number", {"inputs": 5}, 400, '"inputs" must be a string or a list of strings'),
+    ("inputs-list-of-numbers", {"inputs": ["a", 3]}, 400, '"inputs"[1] must be a string'),
+    ("inputs-empty-list", {"inputs": []}, 400, "empty list"),
+    ("parameters-not-object", {"inputs": "a", "parameters": [1]}, 400, '"parameters" must be a JSON object'),
+    ("max-new-tokens-negative", {"inputs": "a", "parameters": {"max_new_tokens": -1}}, 400,
+     '"parameters.max_new_tokens" must be >= 1'),
+    ("max-new-tokens-string", {"inputs": "a", "parameters": {"max_new_tokens": "x"}}, 400,
+     '"parameters.max_new_tokens" must be an integer'),
+    ("max-new-tokens-bool", {"inputs": "a", "parameters": {"max_new_tokens": True}}, 400, "must be an integer"),
+    ("temperature-negative", {"inputs": "a", "parameters": {"do_sample": True, "temperature": -0.5}}, 400,
+     '"parameters.temperature" must be >= 0.0'),
+    ("top-p-above-one", {"inputs": "a", "parameters": {"top_p": 1.5}}, 400, '"parameters.top_p" must be <= 1.0'),
+    ("do-sample-string", {"inputs": "a", "parameters": {"do_sample": "yes"}}, 400, '"parameters.do_sample" must be true'),
+    ("stop-not-strings", {"inputs": "a", "parameters": {"stop_sequences": [1]}}, 400, "stop_sequences"),
+    ("stream-with-dynamic", {"inputs": "a", "stream": True}, 400, "streaming is not supported with dynamic batching"),
+    ("chat-with-dynamic", {"messages": [{"role": "user", "content": "hi"}]}, 400, "chat requests"),
+    ("too-long", {"inputs": "word " * 600, "parameters": {"max_new_tokens": 1000}}, 400,
+     "exceeds the model's maximum length of 1024 tokens"),
+    ("oversized-body", {"inputs": "x" * (MAX_REQUEST_SIZE + 10)}, 413, "exceeds max_request_size (100000 bytes)"),
+]
+
+
+@pytest.mark.parametrize("body,status,message", [c[1:] for c in BAD_INPUTS], ids=[c[0] for c in BAD_INPUTS])
+def test_bad_input_gets_json_error_and_server_keeps_serving(server, body, status, message):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    resp = requests.post(server.url + "/invocations", data=data, headers={"Content-Type": "application/json"},
+                         timeout=30)
+    assert resp.status_code == status, resp.text
+    assert resp.headers["Content-Type"] == "application/json"
+    err = resp.json()
+    assert err["code"] == status and message in err["error"], err
+    assert requests.get(server.url + "/ping", timeout=5).status_code == 200
+
+
+def test_still_serving_after_bad_inputs(server, hf):
+    resp = server.post({"inputs": PROMPTS[4], "parameters": {"max_new_tokens": 8, "details": True}})
+    assert resp.status_code == 200 and _ids(resp.json()[0]) == hf(PROMPTS[4], 8)
+
+
+def test_unknown_route_and_method_are_json(server):
+    assert requests.get(server.url + "/nope").json()["code"] == 404
+    resp = requests.get(server.url + "/invocations")
+    assert resp.status_code == 405 and resp.json()["code"] == 405
+
+
+def test_predictions_route_and_text_plain(server, hf):
+    resp = requests.post(server.url + "/predictions/tiny", data=PROMPTS[0].encode(),
+                         headers={"Content-Type": "text/plain"}, timeout=30)
+    assert resp.status_code == 200
+    assert resp.json() == [{"generated_text": hf.decode(hf(PROMPTS[0], 30))}]
