@@ -54,9 +54,15 @@ def cmd_config(args) -> int:
     is_remote = bool(model_id) and (model_id.startswith("s3://") or not os.path.exists(os.path.expanduser(model_id)))
     local_dir = None if is_remote else resolve_model(model_id, args.model_dir, download_dir="")
     architecture = cfgmod.read_architecture(local_dir)
-    config = cfgmod.build(resolved, local_dir=local_dir or "", architecture=architecture,
-                          num_gpus=cfgmod.count_gpus(os.environ), num_cpus=os.cpu_count() or 1,
-                          port=cfgmod.resolve_port(args.port, os.environ))
+    num_gpus = cfgmod.count_gpus(os.environ)
+    build = dict(local_dir=local_dir or "", architecture=architecture, num_cpus=os.cpu_count() or 1,
+                 port=cfgmod.resolve_port(args.port, os.environ))
+    try:
+        config = cfgmod.build(resolved, num_gpus=num_gpus, **build)
+    except cfgmod.CapacityError as exc:
+        # valid for a bigger machine: say what this one lacks, then show the resolution there
+        print(f"warning: on this machine: {exc}", file=sys.stderr)
+        config = cfgmod.build(resolved, num_gpus=resolved["option.tensor_parallel_degree"], **build)
     where = " (architecture not known before download)" if is_remote else ""
     print(f"engine: {config.scheduler.engine_kind}{where}; tensor_parallel_degree: "
           f"{config.parallel.tensor_parallel_degree}; mpi: {config.parallel.use_mpi}; dtype: {config.model.dtype}")

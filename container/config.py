@@ -28,8 +28,8 @@ FILE, ENV, DEFAULT, CLI = "file", "env", "default", "cli"
 
 # TGI / SageMaker environment names → LMI key; used only when the LMI key is still unset.
 ENV_ALIASES = (
-    ("SM_NUM_GPUS", "option.tensor_parallel_degree"),
     ("TENSOR_PARALLEL_DEGREE", "option.tensor_parallel_degree"),
+    ("SM_NUM_GPUS", "option.tensor_parallel_degree"),  # TGI's name, below LMI's own
     ("MAX_BATCH_SIZE", "option.max_rolling_batch_size"),
     ("MAX_BATCH_PREFILL_TOKENS", "option.max_rolling_batch_prefill_tokens"),
     ("MAX_CONCURRENT_REQUESTS", "job_queue_size"),
@@ -39,6 +39,10 @@ ENV_ALIASES = (
     ("SAGEMAKER_MAX_REQUEST_SIZE", "max_request_size"),
 )
 _UPPER = re.compile(r"^[A-Z0-9_]+$")
+
+
+class CapacityError(ConfigError):
+    """The configuration asks for more devices than this machine has."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,7 @@ def collect_raw(properties: Mapping[str, str], env: Mapping[str, str]) -> tuple[
         raw[KEY_ALIASES.get(key, key)] = (value, FILE)
     checked = {key for key in raw}  # file keys and OPTION_* keys get "did you mean" hints
     for name, value in sorted(env.items()):
+        value = value.strip()
         if not value:
             continue
         key = _env_key(name)
@@ -79,8 +84,8 @@ def collect_raw(properties: Mapping[str, str], env: Mapping[str, str]) -> tuple[
             if name.startswith("OPTION_"):
                 checked.add(key)
     for name, key in ENV_ALIASES:
-        if env.get(name) and key not in raw:
-            raw[key] = (env[name], f"{ENV} ({name})")
+        if (env.get(name) or "").strip() and key not in raw:
+            raw[key] = (env[name].strip(), f"{ENV} ({name})")
     for key in sorted(checked):
         if key not in KEYS_BY_NAME and key not in ACCEPTED_UNUSED:
             warnings.append(_unknown_key_warning(key, raw[key][1]))
@@ -164,9 +169,11 @@ def select_engine(cfg: ResolvedConfig, architecture: str | None) -> str:
 
 
 def is_fallback_architecture(cfg: ResolvedConfig, architecture: str | None) -> bool:
+    if cfg["option.trust_remote_code"]:
+        return True
     if architecture is None:
         return False  # not known before download: assume the native path
-    return architecture not in NATIVE_ARCHITECTURES or cfg["option.trust_remote_code"]
+    return architecture not in NATIVE_ARCHITECTURES
 
 
 def resolve_tensor_parallel(cfg: ResolvedConfig, num_gpus: int, num_cpus: int) -> int:
@@ -178,7 +185,7 @@ def resolve_tensor_parallel(cfg: ResolvedConfig, num_gpus: int, num_cpus: int) -
         return num_gpus
     limit, what = (num_gpus, "GPUs") if num_gpus else (num_cpus, "CPU cores")
     if tp > limit:
-        raise ConfigError(f"option.tensor_parallel_degree={tp} exceeds the {limit} {what} of this machine; "
+        raise CapacityError(f"option.tensor_parallel_degree={tp} exceeds the {limit} {what} of this machine; "
                           f"set it to {limit} or less (or max)")
     return tp
 
@@ -238,7 +245,10 @@ def count_gpus(env: Mapping[str, str]) -> int:
         return 0
     if visible is None:
         return present
-    return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"]) if visible.strip() else 0
+    listed = [d for d in visible.split(",") if d.strip()]
+    if "-1" in [d.strip() for d in listed[:1]]:
+        return 0
+    return min(present, len(listed))
 
 
 def default_download_dir(env: Mapping[str, str]) -> str:
@@ -258,7 +268,10 @@ def resolve_port(cli_port: int | None, env: Mapping[str, str]) -> int:
     raw = env.get("SAGEMAKER_BIND_TO_PORT")
     if raw:
         try:
-            return int(raw)
+            port = int(raw)
         except ValueError:
-            raise ConfigError(f"SAGEMAKER_BIND_TO_PORT={raw!r} is invalid: expected a port number") from None
+            port = 0
+        if not 0 < port < 65536:
+            raise ConfigError(f"SAGEMAKER_BIND_TO_PORT={raw!r} is invalid: expected a port number (1-65535)")
+        return port
     return 8080

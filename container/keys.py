@@ -41,7 +41,7 @@ def number(low: float, high: float, *, low_open: bool = False) -> Parser:
             value = float(raw)
         except ValueError:
             raise _fail(key, raw, "a number") from None
-        if value > high or value < low or (low_open and value == low):
+        if value != value or value > high or value < low or (low_open and value == low):
             bracket = "(" if low_open else "["
             raise _fail(key, raw, f"a number in {bracket}{low}, {high}]")
         return value

@@ -14,8 +14,11 @@ One difference from Java, on purpose: trailing white space of a value is trimmed
 
 from __future__ import annotations
 
+import re
+
 _ESCAPES = {"t": "\t", "n": "\n", "r": "\r", "f": "\f"}
 _SEPARATORS = "=: \t\f"
+_LINE_BREAK = re.compile(r"\r\n|\r|\n")  # Java's line terminators only (not str.splitlines' set)
 
 
 class PropertiesError(ValueError):
@@ -43,7 +46,7 @@ def _logical_lines(text: str):
     """Yield (first physical line number, logical line) with continuations joined."""
     buf: list[str] = []
     start = 0
-    for lineno, raw in enumerate(text.splitlines(), start=1):
+    for lineno, raw in enumerate(_LINE_BREAK.split(text), start=1):
         line = raw.lstrip(" \t\f")
         if not buf:
             if not line or line[0] in "#!":

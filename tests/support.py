@@ -58,7 +58,8 @@ class Server:
         raise TimeoutError(f"server not ready in {timeout} s:\n{self.log()}")
 
     def log(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text()
 
     def post(self, body, path: str = "/invocations", **kwargs) -> requests.Response:

@@ -1,0 +1,93 @@
+"""`lmi config` and `lmi make-model` as real subprocesses."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.support import LMI, ROOT
+
+EXAMPLES = sorted((ROOT / "serving.properties.examples").glob("*.properties"))
+EXPECTED_ENGINE = {"falcon-40b-dynamic": "dynamic", "falcon-40b-rolling": "rolling", "falcon-40b-paged": "paged",
+                   "tiny-dynamic": "dynamic", "tiny-rolling": "rolling", "tiny-paged": "paged"}
+
+
+def lmi(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("OPTION_", "SERVING_", "HF_MODEL"))}
+    return subprocess.run([*LMI, *args], cwd=ROOT, env=dict(clean, **(env or {})), capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_every_example_is_listed():
+    assert {p.stem for p in EXAMPLES} == set(EXPECTED_ENGINE)
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_lmi_config_resolves_every_example(path, tiny_model):
+    result = lmi("config", "--properties", str(path), "--model-dir", str(tiny_model))
+    assert result.returncode == 0, result.stderr
+    last = result.stdout.strip().splitlines()[-1]
+    assert last.startswith(f"engine: {EXPECTED_ENGINE[path.stem]}"), last
+    assert "[file]" in result.stdout
+
+
+def test_lmi_config_shows_sources(tmp_path, tiny_model):
+    props = tmp_path / "serving.properties"
+    props.write_text("engine=Python\nbatch_size=2\n")
+    result = lmi("config", "--properties", str(props), "--model-dir", str(tiny_model),
+                 env={"OPTION_DTYPE": "fp32", "SERVING_JOB_QUEUE_SIZE": "7"})
+    lines = {line.split("=")[0].strip(): line for line in result.stdout.splitlines() if "=" in line}
+    assert lines["batch_size"].endswith("[file]")
+    assert "fp32" in lines["option.dtype"] and lines["option.dtype"].endswith("[env (OPTION_DTYPE)]")
+    assert "7" in lines["job_queue_size"] and "SERVING_JOB_QUEUE_SIZE" in lines["job_queue_size"]
+    assert lines["max_batch_delay"].endswith("[default]")
+
+
+def test_misspelt_key_warns_with_the_closest_key(tmp_path, tiny_model):
+    props = tmp_path / "serving.properties"
+    props.write_text("option.rolling_bach=auto\n")
+    result = lmi("config", "--properties", str(props), "--model-dir", str(tiny_model))
+    assert result.returncode == 0
+    assert "did you mean option.rolling_batch" in result.stderr
+
+
+def test_dynamic_batch_with_lmi_dist_exits_with_one_clear_line(tmp_path, tiny_model):
+    props = tmp_path / "serving.properties"
+    props.write_text("batch_size=4\noption.rolling_batch=lmi-dist\n")
+    result = lmi("config", "--properties", str(props), "--model-dir", str(tiny_model))
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.strip()]
+    assert errors == ["lmi config: error: batch_size=4 with option.rolling_batch=lmi-dist: dynamic batching and "
+                      "rolling batch exclude each other; set batch_size=1 or option.rolling_batch=disable"]
+
+
+def test_invalid_value_exits_non_zero_naming_key_and_value(tmp_path, tiny_model):
+    props = tmp_path / "serving.properties"
+    props.write_text("option.max_rolling_batch_size=lots\n")
+    result = lmi("serve", "--properties", str(props), "--model-dir", str(tiny_model))
+    assert result.returncode == 2
+    assert "option.max_rolling_batch_size='lots' is invalid: expected an integer" in result.stderr
+
+
+def test_make_model_is_deterministic_for_a_seed(tmp_path, tiny_model):
+    again = tmp_path / "again"
+    other = tmp_path / "other"
+    assert lmi("make-model", str(again)).returncode == 0
+    assert lmi("make-model", str(other), "--seed", "1", "--num-kv-heads", "1").returncode == 0
+
+    def digest(d: Path) -> str:
+        return hashlib.sha256((d / "model.safetensors").read_bytes()).hexdigest()
+
+    assert digest(again) == digest(tiny_model)
+    assert (again / "tokenizer.json").read_bytes() == (tiny_model / "tokenizer.json").read_bytes()
+    assert digest(other) != digest(tiny_model)
+    assert json.loads((other / "config.json").read_text())["num_key_value_heads"] == 1
+    card = json.loads((again / "lmi_model_card.json").read_text())
+    assert card["architecture"] == "LlamaForCausalLM" and card["seed"] == 0
+    # the margin that keeps greedy comparisons stable: far above float32 noise (~1e-5 here)
+    assert card["median_top1_margin"] > 0.1
