@@ -135,7 +135,7 @@ KEYS: tuple[Key, ...] = (
         "weight dtype; default fp16 on GPU, bf16 on CPU; auto = the checkpoint's torch_dtype"),
     Key("option.tensor_parallel_degree", tensor_parallel, 1, "ranks per model copy; max = all GPUs"),
     Key("option.rolling_batch", choice("auto", "scheduler", "lmi-dist", "disable"), "auto",
-        "auto | scheduler (padded KV) | lmi-dist (paged KV) | disable (dynamic batching)"),
+        "auto, scheduler (padded KV), lmi-dist (paged KV) or disable (dynamic batching)"),
     Key("option.paged_attention", boolean, True, "with rolling_batch=auto: paged (true) or padded (false) KV cache"),
     Key("option.max_rolling_batch_size", integer(1), 32, "max_num_seqs: rows in the running batch"),
     Key("option.max_rolling_batch_prefill_tokens", integer(1), 1024, "max_num_batched_tokens per step"),

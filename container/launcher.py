@@ -103,7 +103,11 @@ class Launcher:
     def _check_loading(self, probe, started: float) -> bool | None:
         reply = probe.health(timeout=POLL_S)
         if reply is not None and reply.state == STATE_READY:
-            log.info("engine ready after %.1f s", time.monotonic() - started)
+            port = self.config.server.port
+            log.info("engine ready after %.1f s; try:\n  curl -s http://localhost:%d/invocations "
+                     "-H 'Content-Type: application/json' "
+                     "-d '{\"inputs\": \"The river ran\", \"parameters\": {\"max_new_tokens\": 20}}'",
+                     time.monotonic() - started, port)
             return True
         if reply is not None and reply.state == STATE_DEAD:
             log.error("%s", reply.detail or "the engine failed to load")
