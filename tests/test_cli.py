@@ -91,3 +91,13 @@ def test_make_model_is_deterministic_for_a_seed(tmp_path, tiny_model):
     assert card["architecture"] == "LlamaForCausalLM" and card["seed"] == 0
     # the margin that keeps greedy comparisons stable: far above float32 noise (~1e-5 here)
     assert card["median_top1_margin"] > 0.1
+
+
+@pytest.mark.parametrize("doc", ["serving.properties.examples/README.md", "docs/configuration.md"])
+def test_docs_list_every_key_with_its_default(doc):
+    from container.keys import KEYS
+
+    text = (ROOT / doc).read_text()
+    for key in KEYS:
+        default = "unset" if key.default is None else str(key.default)
+        assert f"| `{key.name}` | {default} |" in text, key.name
