@@ -6,9 +6,10 @@ configuration reference in docs/configuration.md.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any, Callable
+
+from engines.config import memory_bytes, parse_memory  # noqa: F401 (memory_bytes re-exported)
 
 
 class ConfigError(ValueError):
@@ -82,32 +83,13 @@ def tensor_parallel(key: str, raw: str) -> int | str:
     return integer(1)(key, raw)
 
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
-          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
-
-
 def memory_amount(key: str, raw: str) -> str:
     """Bytes ("2GiB", "512MB", "1073741824") or a fraction of free RAM in (0, 1]; kept as text."""
-    m = _SIZE.match(raw)
-    if not m:
-        raise _fail(key, raw, 'bytes such as "2GiB" or "1073741824", or a fraction such as "0.3"')
-    amount, unit = float(m.group(1)), (m.group(2) or "").lower().rstrip("b")
-    if not unit and "." in m.group(1) and not 0 < amount <= 1:
-        raise _fail(key, raw, "a fraction in (0, 1] or a whole number of bytes")
-    if amount <= 0:
-        raise _fail(key, raw, "a positive amount")
+    try:
+        parse_memory(raw)
+    except ValueError as exc:
+        raise _fail(key, raw, str(exc)) from None
     return raw.strip()
-
-
-def memory_bytes(spec: str, free_bytes: int) -> int:
-    """Turn a `memory_amount` value into bytes (a fraction applies to `free_bytes`)."""
-    m = _SIZE.match(spec)
-    assert m, spec
-    amount, unit = float(m.group(1)), (m.group(2) or "").lower().rstrip("b")
-    if not unit and "." in m.group(1):
-        return int(amount * free_bytes)
-    return int(amount * _UNITS[unit])
 
 
 @dataclass(frozen=True)

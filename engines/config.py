@@ -7,6 +7,8 @@ handlers may import it.
 
 from __future__ import annotations
 
+import re
+
 import msgspec
 
 ENGINE_DYNAMIC = "dynamic"
@@ -96,3 +98,29 @@ def model_max_len(local_dir: str, override: int | None = None) -> int:
             if isinstance(cfg.get(key), int):
                 return cfg[key]
     return 2048
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_memory(spec: str) -> tuple[float, bool]:
+    """`option.kv_cache_memory`: bytes ("2GiB", "512MB", "1073741824") → (bytes, False), or a
+    fraction of free memory ("0.3") → (0.3, True). ValueError says what is expected."""
+    m = _SIZE.match(spec)
+    if not m:
+        raise ValueError('bytes such as "2GiB" or "1073741824", or a fraction such as "0.3"')
+    amount, unit = float(m.group(1)), (m.group(2) or "").lower().rstrip("b")
+    is_fraction = not unit and "." in m.group(1)
+    if is_fraction and not 0 < amount <= 1:
+        raise ValueError("a fraction in (0, 1] or a whole number of bytes")
+    if amount <= 0:
+        raise ValueError("a positive amount")
+    return (amount, True) if is_fraction else (amount * _UNITS[unit], False)
+
+
+def memory_bytes(spec: str, free_bytes: int) -> int:
+    """Bytes for a `parse_memory` spec (a fraction applies to `free_bytes`)."""
+    amount, is_fraction = parse_memory(spec)
+    return int(amount * free_bytes) if is_fraction else int(amount)

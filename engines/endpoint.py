@@ -11,6 +11,7 @@ import logging
 import threading
 from typing import Callable
 
+import msgspec
 import zmq
 
 from engines import protocol
@@ -81,8 +82,7 @@ class EngineEndpoint:
             if isinstance(msg, Health):
                 reply = self._health()
                 self._router.send_multipart([identity, protocol.encode(
-                    HealthReply(reply.state, msg.nonce, reply.detail, reply.num_waiting,
-                                reply.num_running, reply.num_batches))])
+                    msgspec.structs.replace(reply, nonce=msg.nonce))])
                 continue
             if isinstance(msg, Add):
                 self._owners[msg.request_id] = identity

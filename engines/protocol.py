@@ -46,7 +46,8 @@ class HealthReply(msgspec.Struct, tag="health_reply", frozen=True):
     detail: str = ""
     num_waiting: int = 0
     num_running: int = 0
-    num_batches: int = 0
+    num_batches: int = 0  # dynamic batches run, or rolling-engine steps
+    num_kv_slots: int = 0  # rolling engines: KV token slots held by the running batch
 
 
 class Output(msgspec.Struct, tag="output", frozen=True):
@@ -55,6 +56,7 @@ class Output(msgspec.Struct, tag="output", frozen=True):
     request_id: str
     token_ids: list[int]
     log_probs: list[float] = []
+    top_tokens: list[list[tuple[int, float]]] = []  # per new token: top_n_tokens (id, log_prob)
     finished: bool = False
     finish_reason: str | None = None
     # set when the request failed: an HTTP status (424 model error, 503 queue full, 507 OOM)

@@ -14,7 +14,7 @@ import signal
 import sys
 import threading
 
-from engines.config import ENGINE_DYNAMIC, LmiConfig
+from engines.config import ENGINE_DYNAMIC, ENGINE_ROLLING, LmiConfig
 from engines.endpoint import EngineEndpoint
 from engines.protocol import STATE_DEAD, STATE_LOADING, STATE_READY, HealthReply, engine_socket_path
 
@@ -27,8 +27,12 @@ def build_engine(config: LmiConfig, publish):
         from engines.dynamic.batcher import DynamicEngine
 
         return DynamicEngine(config, publish)
-    raise RuntimeError(f"the {kind} rolling-batch engine is not available in this build; "
-                       "use option.rolling_batch=disable (dynamic batching) for now")
+    if kind == ENGINE_ROLLING:
+        from engines.worker.rolling_engine import RollingEngine
+
+        return RollingEngine(config, publish)
+    raise RuntimeError(f"the {kind} engine is not available in this build; use option.rolling_batch=scheduler "
+                       "(padded rolling batch) or disable (dynamic batching)")
 
 
 class EngineProcess:

@@ -8,19 +8,11 @@ import time
 import torch
 
 from engines.config import ModelConfig
+from engines.loader import torch_dtype
 from engines.protocol import FINISH_EOS, FINISH_LENGTH, Add, Output
 from engines.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
-
-TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def torch_dtype(name: str, checkpoint_dtype: str | None = None) -> torch.dtype:
-    if name == "auto":
-        return getattr(torch, checkpoint_dtype, torch.float32) if checkpoint_dtype else torch.float32
-    return TORCH_DTYPES[name]
-
 
 class HFGenerator:
     def __init__(self, config: ModelConfig):
@@ -33,7 +25,7 @@ class HFGenerator:
 
         started = time.perf_counter()
         hf_config = AutoConfig.from_pretrained(self.config.local_dir, trust_remote_code=self.config.trust_remote_code)
-        dtype = torch_dtype(self.config.dtype, str(getattr(hf_config, "torch_dtype", None) or "").replace("torch.", "") or None)
+        dtype = torch_dtype(self.config.dtype, hf_config)
         self.model = AutoModelForCausalLM.from_pretrained(
             self.config.local_dir, dtype=dtype, trust_remote_code=self.config.trust_remote_code,
             use_safetensors=True).to(self.device).eval()

@@ -1,0 +1,67 @@
+"""A request as the rolling engines track it (pure Python: no torch)."""
+
+from __future__ import annotations
+
+import enum
+
+from engines.protocol import FINISH_ABORT, FINISH_EOS, FINISH_LENGTH
+from engines.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+                 eos_token_ids: frozenset[int], arrival: int):
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling = sampling
+        self.output_token_ids: list[int] = []
+        self.status = Status.WAITING
+        self.finish_reason: str | None = None
+        self.arrival = arrival  # admission order (first come, first served)
+        self._stop_ids = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else eos_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + self.num_generated_tokens
+
+    @property
+    def max_num_tokens(self) -> int:
+        """Prompt plus every token it may still generate: its KV footprint at the end."""
+        return self.num_prompt_tokens + self.sampling.max_new_tokens
+
+    @property
+    def num_remaining_tokens(self) -> int:
+        return self.sampling.max_new_tokens - self.num_generated_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        """Record a generated token and finish the request when it is a stop token or the last one."""
+        self.output_token_ids.append(token_id)
+        if token_id in self._stop_ids:
+            self.finish(FINISH_EOS)
+        elif self.num_generated_tokens >= self.sampling.max_new_tokens:
+            self.finish(FINISH_LENGTH)
+
+    def finish(self, reason: str) -> None:
+        self.status = Status.FINISHED
+        self.finish_reason = reason
+
+    def abort(self) -> None:
+        self.finish(FINISH_ABORT)

@@ -1,0 +1,70 @@
+"""Self-attention on TP-aware projections; where K/V live is the backend's business.
+
+The backend (padded or paged KV cache) is chosen once per engine and handed to every forward:
+`backend.attend(layer_idx, q, k, v)` stores this step's K/V and returns the attention output.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from engines.dist import Communicator
+from engines.layers.linear import ColumnParallelLinear, RowParallelLinear
+from engines.layers.rotary import RotaryEmbedding
+
+
+class AttentionBackend(Protocol):
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [B, T, heads, D], k/v: [B, T, kv_heads, D] (this step's) → [B, T, heads, D]."""
+
+
+def local_kv_heads(num_kv_heads: int, world_size: int) -> tuple[int, bool]:
+    """KV heads per rank, and whether they are replicated (fewer KV heads than ranks)."""
+    if num_kv_heads >= world_size:
+        if num_kv_heads % world_size:
+            raise ValueError(f"{num_kv_heads} KV heads do not split over {world_size} ranks")
+        return num_kv_heads // world_size, False
+    if world_size % num_kv_heads:
+        raise ValueError(f"{world_size} ranks do not share {num_kv_heads} KV heads evenly")
+    return 1, True
+
+
+class Attention(nn.Module):
+    def __init__(self, layer_idx: int, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 rotary: RotaryEmbedding, comm: Communicator, *, qkv_bias: bool = False, o_bias: bool = False):
+        super().__init__()
+        world = comm.world_size
+        if num_heads % world:
+            raise ValueError(f"{num_heads} attention heads do not split over {world} ranks")
+        self.layer_idx = layer_idx
+        self.num_heads = num_heads // world
+        self.num_kv_heads, replicated = local_kv_heads(num_kv_heads, world)
+        self.head_dim = head_dim
+        self.rotary = rotary
+        kv_size = num_kv_heads * head_dim
+        local_kv = self.num_kv_heads * head_dim
+        # fused [q | k | v]; with replicated KV heads each rank keeps the one head its q heads use
+        self.qkv_proj = ColumnParallelLinear(hidden_size, [num_heads * head_dim, kv_size, kv_size], comm,
+                                             bias=qkv_bias, local_sizes=[self.num_heads * head_dim, local_kv, local_kv])
+        if replicated:
+            head = comm.rank * num_kv_heads // world
+            self.kv_rows: tuple[int, int] | None = (head * head_dim, (head + 1) * head_dim)
+        else:
+            self.kv_rows = None
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, comm, bias=o_bias)
+        self.comm = comm
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+        b, t, _ = x.shape
+        qkv = self.qkv_proj(x)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(b, t, self.num_heads, self.head_dim)
+        k = k.view(b, t, self.num_kv_heads, self.head_dim)
+        v = v.view(b, t, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        out = backend.attend(self.layer_idx, q, k, v)  # [B, T, heads, D]
+        return self.o_proj(out.reshape(b, t, q_size))

@@ -1,0 +1,116 @@
+"""Runs prefill and decode forwards over a PaddedKVCache, on our model code or the HF fallback.
+
+The strategy (native or HF) is chosen once at load: native for the architectures in the registry
+(any TP degree), `AutoModelForCausalLM` with its own past key values for the rest (TP 1 only).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from engines.config import ModelConfig
+from engines.dist import Communicator, SingleProcess
+from engines.loader import build_model, torch_dtype
+from engines.models.registry import model_class
+from engines.worker.padded_cache import GROW, PaddedKVCache
+
+log = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, config: ModelConfig, max_model_len: int, comm: Communicator | None = None,
+                 device: torch.device | None = None):
+        self.config = config
+        self.max_model_len = max_model_len
+        self.comm = comm or SingleProcess()
+        self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.model = None
+        self.is_native = False
+
+    def load(self) -> None:
+        from transformers import AutoConfig
+
+        started = time.perf_counter()
+        hf = AutoConfig.from_pretrained(self.config.local_dir, trust_remote_code=self.config.trust_remote_code)
+        arch = (hf.architectures or [""])[0]
+        self.dtype = torch_dtype(self.config.dtype, hf)
+        cls = None if self.config.trust_remote_code else model_class(arch)
+        if cls is not None:
+            self.model = build_model(cls, hf, self.comm, self.dtype, self.device, self.max_model_len)
+            self.num_layers = hf.num_hidden_layers
+            self.num_kv_heads, self.head_dim = self.model.num_kv_heads, self.model.head_dim
+            self.is_native = True
+        else:
+            self._load_hf(hf)
+        gen_eos = hf.eos_token_id
+        self.eos_token_ids = frozenset(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
+        self.pad_token_id = hf.pad_token_id if hf.pad_token_id is not None else 0
+        log.info("loaded %s (%s path, %s) in %.1f s", arch, "native" if self.is_native else "HF fallback",
+                 self.dtype, time.perf_counter() - started)
+
+    def _load_hf(self, hf) -> None:
+        from transformers import AutoModelForCausalLM
+
+        if self.comm.world_size > 1:
+            raise ValueError("the HF fallback path runs at tensor_parallel_degree=1 only")
+        self.model = AutoModelForCausalLM.from_pretrained(
+            self.config.local_dir, dtype=self.dtype, trust_remote_code=self.config.trust_remote_code,
+            use_safetensors=True).to(self.device).eval()
+        text = hf.get_text_config()
+        self.num_layers = text.num_hidden_layers
+        heads = text.num_attention_heads
+        self.num_kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token over all layers, on this rank."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+    # -- forwards ---------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, prompts: list[list[int]]) -> tuple[torch.Tensor, PaddedKVCache]:
+        """A new left-padded batch from prompts → (last-token logits [n, V], its cache)."""
+        width = max(len(p) for p in prompts)
+        pads = [width - len(p) for p in prompts]
+        ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, pads[i]:] = torch.tensor(p, dtype=torch.long)
+        cache = PaddedKVCache.empty(self.num_layers, len(prompts), self.num_kv_heads, self.head_dim, pads,
+                                    width + GROW, self.dtype, self.device)
+        return self._forward(cache, ids.to(self.device)), cache
+
+    @torch.inference_mode()
+    def decode(self, cache: PaddedKVCache, last_tokens: list[int]) -> torch.Tensor:
+        """One token per row → logits [B, V]."""
+        ids = torch.tensor(last_tokens, dtype=torch.long, device=self.device).view(-1, 1)
+        return self._forward(cache, ids)
+
+    def _forward(self, cache: PaddedKVCache, ids: torch.Tensor) -> torch.Tensor:
+        t = ids.shape[1]
+        cols = torch.arange(cache.width, cache.width + t, device=self.device).view(1, -1)
+        positions = (cols - cache.pads.view(-1, 1)).clamp(min=0)  # [B, T]
+        cache.begin_forward(t)
+        try:
+            if self.is_native:
+                return self.model(ids, positions, cache)
+            return self._hf_forward(cache, ids, positions)
+        finally:
+            cache.end_forward()
+
+    def _hf_forward(self, cache: PaddedKVCache, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        from transformers import DynamicCache
+
+        w, t = cache.width, ids.shape[1]
+        past = DynamicCache(ddp_cache_data=[(k[:, :, :w], v[:, :, :w]) for k, v in zip(cache.keys, cache.values)]) \
+            if w else DynamicCache()
+        cols = torch.arange(w + t, device=self.device).view(1, -1)
+        mask = (cols >= cache.pads.view(-1, 1)).long()  # [B, w + t]
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=past,
+                         use_cache=True)
+        for i, layer in enumerate(out.past_key_values.layers):
+            cache.set_layer(i, layer.keys, layer.values)
+        return out.logits[:, -1].float()
