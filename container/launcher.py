@@ -33,7 +33,7 @@ STOP_GRACE_S = 10.0
 
 def engine_command(config: LmiConfig, run_dir: str) -> list[str]:
     cmd = [sys.executable, "-m", "engines.serve", "--run-dir", run_dir]
-    if config.parallel.use_mpi:
+    if config.parallel.use_mpi and config.parallel.tensor_parallel_degree > 1:  # one rank needs no mpirun
         n = str(config.parallel.tensor_parallel_degree)
         cmd = ["mpirun", "--allow-run-as-root", "--bind-to", "none", "-np", n, *cmd]
     return cmd

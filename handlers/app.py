@@ -15,10 +15,11 @@ from flask import Flask, Response, g, request
 from werkzeug.exceptions import HTTPException
 
 from engines.config import ENGINE_DYNAMIC, LmiConfig, model_max_len
-from engines.protocol import STATE_READY, Add, engine_socket_path
+from engines.protocol import STATE_READY, engine_socket_path
 from handlers.engine_client import EngineClient
 from handlers.errors import HttpError, bad_request
-from handlers.formatters import format_response, generation_result
+from handlers.formatters import JSONLINES, SSE, collect, response_body, stream_lines
+from handlers.generation import ClientGone, Generation, client_gone
 from handlers.schemas import GenerationRequest, parse_body, parse_request
 from handlers.tokenizer import TextTokenizer
 
@@ -47,7 +48,8 @@ class Service:
             raise HttpError(503, f"the model is not ready (engine {state}); retry later")
         self.engine_ready = True
 
-    def generate(self, req: GenerationRequest, request_id: str) -> list:
+    def start(self, req: GenerationRequest, request_id: str) -> list[Generation]:
+        """Tokenize, check lengths, and send every input to the engine."""
         prompts = [self.tokenizer.encode(text) for text in req.inputs]
         for i, ids in enumerate(prompts):
             total = len(ids) + req.sampling.max_new_tokens
@@ -56,15 +58,11 @@ class Service:
                 raise bad_request(f"{where} has {len(ids)} tokens and max_new_tokens is "
                                   f"{req.sampling.max_new_tokens}: {total} exceeds the model's maximum "
                                   f"length of {self.max_model_len} tokens")
-        ids = [f"{request_id}-{i}" for i in range(len(prompts))]
-        queues = [self.client.add(Add(rid, p, req.sampling)) for rid, p in zip(ids, prompts)]
-        deadline = time.monotonic() + self.config.scheduler.predict_timeout_s
-        try:
-            return [generation_result(q, deadline, self.tokenizer, text, req, len(p))
-                    for q, text, p in zip(queues, req.inputs, prompts)]
-        finally:
-            for rid in ids:
-                self.client.release(rid)
+        return [Generation(self.client, f"{request_id}-{i}", ids, text, req, self.tokenizer)
+                for i, (ids, text) in enumerate(zip(prompts, req.inputs))]
+
+    def deadline(self) -> float:
+        return time.monotonic() + self.config.scheduler.predict_timeout_s
 
 
 def create_app(run_dir: str) -> Flask:
@@ -116,7 +114,8 @@ def build_app(service: Service) -> Flask:
         service.engine_ready = reply.state == STATE_READY
         body = {"status": "healthy" if service.engine_ready else reply.state, "engine": reply.state,
                 "engine_kind": service.config.scheduler.engine_kind,
-                "waiting": reply.num_waiting, "running": reply.num_running, "batches": reply.num_batches}
+                "waiting": reply.num_waiting, "running": reply.num_running, "batches": reply.num_batches,
+                "kv_slots": reply.num_kv_slots}
         if reply.detail:
             body["detail"] = reply.detail
         return _json(body, 200 if service.engine_ready else 503)
@@ -129,11 +128,27 @@ def build_app(service: Service) -> Flask:
         if req.stream and service.is_dynamic:
             raise bad_request("streaming is not supported with dynamic batching (batch_size>1 or "
                               "option.rolling_batch=disable); send \"stream\": false")
+        if req.stream and req.is_list:
+            raise bad_request("streaming takes one input: send \"inputs\" as a string")
         service.require_ready()
-        results = service.generate(req, g.request_id)
-        log.info("[%s] %d input(s), %s tokens", g.request_id, len(results),
-                 [r.num_generated_tokens for r in results])
-        return _json(format_response(results, req, list_shape=service.is_dynamic or req.is_list), 200)
+        gens = service.start(req, g.request_id)
+        if req.stream:
+            sse = service.config.server.output_formatter == "sse" or \
+                "text/event-stream" in request.headers.get("Accept", "")
+            return Response(stream_lines(gens[0], req, service.deadline(), sse),
+                            mimetype=SSE if sse else JSONLINES)
+        sock = request.environ.get("gunicorn.socket")
+        deadline = service.deadline()
+        try:
+            bodies = [response_body(gen, collect(gen, deadline, lambda: client_gone(sock)), req) for gen in gens]
+        except ClientGone:
+            log.info("[%s] client disconnected: request aborted", g.request_id)
+            return Response(status=499)
+        finally:
+            for gen in gens:  # a failure in one input aborts the others
+                gen.close()
+        log.info("[%s] %d input(s), %s tokens", g.request_id, len(gens), [gen.num_generated_tokens for gen in gens])
+        return _json(bodies if service.is_dynamic or req.is_list else bodies[0], 200)
 
     return app
 

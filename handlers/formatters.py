@@ -1,92 +1,70 @@
-"""From engine outputs to LMI response bodies."""
+"""From a request's tokens to LMI response bodies: JSON, jsonlines and server-sent events."""
 
 from __future__ import annotations
 
-import queue
-import time
-from dataclasses import dataclass
+import json
+from typing import Iterator
 
-from engines.protocol import FINISH_STOP, Output
 from handlers.errors import HttpError
+from handlers.generation import Generation
 from handlers.schemas import GenerationRequest
-from handlers.tokenizer import IncrementalDetokenizer, TextTokenizer
+
+JSONLINES = "application/jsonlines"
+SSE = "text/event-stream"
 
 
-@dataclass
-class GenerationResult:
-    input_text: str
-    generated_text: str
-    tokens: list[dict]  # {"id", "text", "log_prob"} per generated token
-    finish_reason: str
-    num_prompt_tokens: int
-    batch_id: int | None = None
-
-    @property
-    def num_generated_tokens(self) -> int:
-        return len(self.tokens)
+def _public(token: dict) -> dict:
+    return {k: v for k, v in token.items() if k != "last"}
 
 
-def collect(q: "queue.SimpleQueue[Output]", deadline: float) -> tuple[list[int], list[float], Output]:
-    """All token ids (and log-probs) of one request and its final output; engine errors raise."""
-    token_ids: list[int] = []
-    log_probs: list[float] = []
-    while True:
-        remaining = deadline - time.monotonic()
-        try:
-            out = q.get(timeout=max(remaining, 0.0))
-        except queue.Empty:
-            raise HttpError(424, "the engine did not answer within option.predict_timeout") from None
-        if out.error_code is not None:
-            raise HttpError(out.error_code, out.error or "the model failed during generation")
-        token_ids.extend(out.token_ids)
-        log_probs.extend(out.log_probs)
-        if out.finished:
-            return token_ids, log_probs, out
+def _text(gen: Generation, req: GenerationRequest) -> str:
+    return gen.input_text + gen.generated_text if req.return_full_text else gen.generated_text
 
 
-def trim_at_stop(text: str, stop_sequences: tuple[str, ...]) -> tuple[str, bool]:
-    """Text up to the earliest stop sequence, and whether one was found."""
-    cut = min((i for i in (text.find(s) for s in stop_sequences) if i >= 0), default=-1)
-    return (text[:cut], True) if cut >= 0 else (text, False)
+def _details(gen: Generation, tokens: list[dict] | None) -> dict:
+    details = {"finish_reason": gen.finish_reason, "generated_tokens": gen.num_generated_tokens,
+               "inputs": gen.input_text}
+    if tokens is not None:
+        details["tokens"] = [{k: v for k, v in t.items() if k != "top_tokens"} for t in tokens]
+        if any("top_tokens" in t for t in tokens):
+            details["top_tokens"] = [t.get("top_tokens", []) for t in tokens]
+    return details
 
 
-def generation_result(q, deadline: float, tokenizer: TextTokenizer, input_text: str,
-                      req: GenerationRequest, num_prompt_tokens: int) -> GenerationResult:
-    token_ids, log_probs, last = collect(q, deadline)
-    detok = IncrementalDetokenizer(tokenizer)
-    tokens = [{"id": tid, "text": detok.add(tid), "log_prob": lp}
-              for tid, lp in zip(token_ids, log_probs or [None] * len(token_ids))]
-    if tokens:
-        tokens[-1]["text"] += detok.flush()
-    full = "".join(t["text"] for t in tokens)
-    text, stopped = trim_at_stop(full, req.stop_sequences)
-    if stopped:
-        tokens = _tokens_covering(tokens, len(text))
-    return GenerationResult(input_text, text, tokens, FINISH_STOP if stopped else last.finish_reason,
-                            num_prompt_tokens, last.batch_id)
-
-
-def _tokens_covering(tokens: list[dict], length: int) -> list[dict]:
-    """The shortest prefix of `tokens` whose texts reach `length` characters (the stop's token)."""
-    kept, seen = [], 0
-    for tok in tokens:
-        if seen >= length and kept:
-            break
-        kept.append(tok)
-        seen += len(tok["text"])
-    return kept
-
-
-def _one(result: GenerationResult, req: GenerationRequest) -> dict:
-    text = result.input_text + result.generated_text if req.return_full_text else result.generated_text
-    body: dict = {"generated_text": text}
+def response_body(gen: Generation, tokens: list[dict], req: GenerationRequest) -> dict:
+    body: dict = {"generated_text": _text(gen, req)}
     if req.details:
-        body["details"] = {"finish_reason": result.finish_reason, "generated_tokens": result.num_generated_tokens,
-                           "inputs": result.input_text, "tokens": result.tokens}
+        body["details"] = _details(gen, tokens)
     return body
 
 
-def format_response(results: list[GenerationResult], req: GenerationRequest, *, list_shape: bool):
-    """DJL's shapes: dynamic batching (and list inputs) answer a list, one object per input."""
-    bodies = [_one(r, req) for r in results]
-    return bodies if list_shape else bodies[0]
+def collect(gen: Generation, deadline: float, is_gone) -> list[dict]:
+    return [_public(t) for t in gen.tokens(deadline, is_gone)]
+
+
+def stream_lines(gen: Generation, req: GenerationRequest, deadline: float, sse: bool) -> Iterator[bytes]:
+    """One JSON line per token; the last also carries generated_text (and details, without tokens).
+    An error after the 200 went out ends the stream with an error line."""
+    def line(obj: dict) -> bytes:
+        data = json.dumps(obj, ensure_ascii=False)
+        return f"data: {data}\n\n".encode() if sse else (data + "\n").encode()
+
+    ended = False
+    try:
+        for token in gen.tokens(deadline):
+            obj = {"token": {k: v for k, v in token.items() if k not in ("last", "top_tokens")}}
+            if "top_tokens" in token:
+                obj["top_tokens"] = token["top_tokens"]
+            if token["last"]:
+                obj["generated_text"] = _text(gen, req)
+                if req.details:
+                    obj["details"] = _details(gen, None)
+                ended = True
+            yield line(obj)
+        if not ended:
+            final = {"token": None, "generated_text": _text(gen, req)}
+            if req.details:
+                final["details"] = _details(gen, None)
+            yield line(final)
+    except HttpError as err:
+        yield line(err.body())

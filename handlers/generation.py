@@ -1,0 +1,142 @@
+"""Following one request's engine outputs: incremental text, stop strings, disconnects, deadlines.
+
+`Generation.tokens()` yields one token dict per generated token, as the engine produces them. Text
+that could be the start of a stop string is held back until it is clearly not one, so the token
+texts always concatenate to `generated_text`, streamed or not. When a stop string appears the
+request is aborted in the engine and the text is cut before it.
+"""
+
+from __future__ import annotations
+
+import queue
+import select
+import socket
+import time
+from typing import Callable, Iterator
+
+from engines.protocol import FINISH_STOP, Add, Output
+from handlers.engine_client import EngineClient
+from handlers.errors import HttpError
+from handlers.schemas import GenerationRequest
+from handlers.tokenizer import IncrementalDetokenizer, TextTokenizer
+
+POLL_S = 0.05  # how often a waiting request checks its client and its deadline
+
+
+class StopFilter:
+    """Feed text deltas; get back what is safe to emit, and whether a stop string was reached."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = stops
+        self.pending = ""
+
+    def feed(self, delta: str) -> tuple[str, bool]:
+        text = self.pending + delta
+        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.pending = ""
+            return text[:cut], True
+        hold = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        self.pending = text[len(text) - hold:] if hold else ""
+        return text[: len(text) - hold], False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+def client_gone(sock: socket.socket | None) -> bool:
+    """True when the peer closed the connection (readable with nothing to read)."""
+    if sock is None:
+        return False
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+        return bool(readable) and sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (OSError, ValueError):
+        return True
+
+
+class Generation:
+    def __init__(self, client: EngineClient, request_id: str, prompt_ids: list[int], input_text: str,
+                 req: GenerationRequest, tokenizer: TextTokenizer):
+        self.client = client
+        self.request_id = request_id
+        self.input_text = input_text
+        self.req = req
+        self.num_prompt_tokens = len(prompt_ids)
+        self._detok = IncrementalDetokenizer(tokenizer)
+        self._tokenizer = tokenizer
+        self._stops = StopFilter(req.stop_sequences)
+        self.finish_reason: str | None = None
+        self.text_parts: list[str] = []
+        self.num_generated_tokens = 0
+        self.batch_id: int | None = None
+        self._closed = False
+        self._queue = client.add(Add(request_id, prompt_ids, req.sampling))
+
+    @property
+    def generated_text(self) -> str:
+        return "".join(self.text_parts)
+
+    def tokens(self, deadline: float, is_gone: Callable[[], bool] = lambda: False) -> Iterator[dict]:
+        """Token dicts until the request ends; the last one has `"last": True`. Raises HttpError."""
+        try:
+            while self.finish_reason is None:
+                out = self._next(deadline, is_gone)
+                self.batch_id = out.batch_id
+                yield from self._tokens_of(out)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop following the request; abort it in the engine if it is still going."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.finish_reason is None:  # the client went away, or another input failed
+            self.client.abort(self.request_id)
+        self.client.release(self.request_id)
+
+    def _next(self, deadline: float, is_gone: Callable[[], bool]) -> Output:
+        while True:
+            try:
+                out = self._queue.get(timeout=POLL_S)
+                break
+            except queue.Empty:
+                if is_gone():
+                    raise ClientGone() from None
+                if time.monotonic() > deadline:
+                    raise HttpError(424, "the engine did not answer within option.predict_timeout") from None
+        if out.error_code is not None:
+            self.finish_reason = "error"
+            raise HttpError(out.error_code, out.error or "the model failed during generation")
+        return out
+
+    def _tokens_of(self, out: Output) -> Iterator[dict]:
+        n = len(out.token_ids)
+        for i, tid in enumerate(out.token_ids):
+            text, stopped = self._stops.feed(self._detok.add(tid))
+            last = stopped or (out.finished and i == n - 1)
+            if last and not stopped:
+                text += self._stops.feed(self._detok.flush())[0] + self._stops.flush()
+            token = {"id": tid, "text": text, "log_prob": out.log_probs[i] if out.log_probs else None}
+            if out.top_tokens:
+                token["top_tokens"] = [{"id": t, "text": self._tokenizer.decode([t]), "log_prob": lp}
+                                       for t, lp in out.top_tokens[i]]
+            self.text_parts.append(text)
+            self.num_generated_tokens += 1
+            if stopped:
+                self.finish_reason = FINISH_STOP
+                self.client.abort(self.request_id)
+            elif last:
+                self.finish_reason = out.finish_reason
+            yield dict(token, last=last)
+            if last:
+                return
+        if out.finished and self.finish_reason is None:  # ended without a new token
+            self.text_parts.append(self._stops.flush())
+            self.finish_reason = out.finish_reason
+
+
+class ClientGone(Exception):
+    """The HTTP client went away: its request is aborted in the engine."""
