@@ -52,8 +52,7 @@ class HFGenerator:
             torch.manual_seed(params.seed)
         out = self.model.generate(
             input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
-            generation_config=self._generation_config(params, stop_ids),
-            return_dict_in_generate=True, output_scores=True)
+            generation_config=self._generation_config(params, stop_ids))
         new_ids = out.sequences[:, width:]  # [batch, steps]
         # log-probability of each chosen token under the (processed) distribution it was drawn from
         scores = torch.stack(out.scores, dim=1).float()  # [batch, steps, vocab]
@@ -69,7 +68,8 @@ class HFGenerator:
         return GenerationConfig(
             max_new_tokens=params.max_new_tokens, do_sample=params.do_sample,
             repetition_penalty=params.repetition_penalty, pad_token_id=self.pad_token_id,
-            eos_token_id=stop_ids or None, bos_token_id=self.model.generation_config.bos_token_id, **sampling)
+            eos_token_id=stop_ids or None, bos_token_id=self.model.generation_config.bos_token_id,
+            return_dict_in_generate=True, output_scores=True, **sampling)
 
 
 def _to_output(request_id: str, ids: list[int], log_probs: list[float], stop_ids: set[int]) -> Output:

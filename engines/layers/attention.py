@@ -68,3 +68,21 @@ class Attention(nn.Module):
         q, k = self.rotary(positions, q, k)
         out = backend.attend(self.layer_idx, q, k, v)  # [B, T, heads, D]
         return self.o_proj(out.reshape(b, t, q_size))
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Masked attention with grouped KV heads, heads first.
+
+    q: [B, Hq, T, D]; k, v: [B, Hkv, S, D]; mask: bool, broadcastable to [B, 1, T, S] (True attends).
+    One new token per row (decode) takes two small batched matmuls over the query groups, which on
+    CPU is several times faster than SDPA's kernel; longer queries (prefill) use SDPA.
+    """
+    b, hq, t, d = q.shape
+    hkv = k.shape[1]
+    if t > 1:
+        return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=hkv != hq)
+    group = hq // hkv
+    scores = torch.matmul(q.view(b, hkv, group, d), k.transpose(-1, -2)).float() * d ** -0.5  # [B, Hkv, G, S]
+    scores = scores.masked_fill(~mask.view(b, 1, 1, -1), float("-inf"))
+    probs = scores.softmax(dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).view(b, hq, 1, d)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from engines.layers.attention import attention
+
 GROW = 64  # columns of headroom added whenever the capacity runs out
 
 
@@ -75,9 +77,7 @@ class PaddedKVCache:
         self.values[layer_idx][:, :, w:w + t] = v.transpose(1, 2)
         keys = self.keys[layer_idx][:, :, : w + t]
         values = self.values[layer_idx][:, :, : w + t]
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2), keys, values, attn_mask=self._mask, enable_gqa=keys.shape[1] != q.shape[2])
-        return out.transpose(1, 2)
+        return attention(q.transpose(1, 2), keys, values, self._mask).transpose(1, 2)
 
     def end_forward(self) -> None:
         self.width += self._step
