@@ -25,6 +25,11 @@ class Request:
         self.finish_reason: str | None = None
         self.arrival = arrival  # admission order (first come, first served)
         self._stop_ids = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else eos_token_ids)
+        # paged engine only (scheduler + block manager): K/V held in blocks of the paged cache
+        self.num_computed_tokens = 0  # tokens of all_token_ids whose K/V are in the cache
+        self.num_cached_tokens = 0  # of those, found in the prefix cache when last scheduled anew
+        self.block_ids: list[int] = []  # block table: token at position p lives in block_ids[p // block_size]
+        self.num_preemptions = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -33,6 +38,11 @@ class Request:
     @property
     def num_generated_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt then generated tokens (a new list)."""
+        return self.prompt_token_ids + self.output_token_ids
 
     @property
     def num_tokens(self) -> int:

@@ -101,6 +101,9 @@ class PaddedKVCache:
             for store in (self.keys, self.values):
                 a, b = store[layer], (other.keys if store is self.keys else other.values)[layer]
                 merged = a.new_empty((a.shape[0] + b.shape[0], a.shape[1], capacity, a.shape[3]))
+                # pad columns are masked, but must hold finite numbers: 0 * NaN would leak through
+                merged[: a.shape[0], :, : width - self.width] = 0
+                merged[a.shape[0]:, :, : width - other.width] = 0
                 merged[: a.shape[0], :, width - self.width: width] = a[:, :, : self.width]
                 merged[a.shape[0]:, :, width - other.width: width] = b[:, :, : other.width]
                 store[layer] = merged  # the old tensor of this layer is freed here

@@ -37,6 +37,12 @@ class Sampler:
     def remove(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
+    def sample_requests(self, logits: torch.Tensor, requests) -> SampleResult:
+        """One token for each request (engines.core Request objects, rows of `logits` in order)."""
+        seen = [r.prompt_token_ids + r.output_token_ids if r.sampling.repetition_penalty != 1.0 else []
+                for r in requests]
+        return self.sample(logits, [r.request_id for r in requests], [r.sampling for r in requests], seen)
+
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams],
                seen_tokens: list[list[int]]) -> SampleResult:
@@ -94,3 +100,4 @@ def _warp(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         drop |= before >= top_ps  # keep the smallest prefix whose mass reaches top_p
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+

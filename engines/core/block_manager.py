@@ -1,0 +1,207 @@
+"""KV-cache blocks of the paged engine: ref counts, an LRU free list, prefix caching (pure Python: no torch).
+
+The cache is `num_blocks` blocks of `block_size` token slots. A request's block table maps its
+positions to slots:
+
+    block_size = 4, req.block_ids = [7, 2, 9]
+    position p:  0  1  2  3 | 4  5  6  7 | 8  9
+    block:       7            2            9 (partial: never shared)
+    slot(p) = block_ids[p // block_size] * block_size + p % block_size
+
+Prefix caching: once a block is full and computed, it is registered under a chained hash,
+hash_i = hash((hash_{i-1}, tokens of block i)), so one hash stands for the whole prefix up to it.
+A later request whose first blocks hash the same takes refs on those blocks instead of computing
+them. A hit is confirmed by comparing the block's parent hash and tokens, so a hash collision never
+shares K/V. A freed block keeps its hash (it can still be hit) until the free list hands it out
+again; the free list is least recently freed first, so the least recently used prefix is evicted.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Sequence
+
+from engines.core.request import Request
+
+_ROOT = None  # parent hash of block 0: not an int, so it never equals a block's hash
+
+
+def hash_block(parent: int | None, tokens: tuple[int, ...]) -> int:
+    """Chained hash of one full block (module level, so that tests can force collisions)."""
+    return hash((parent, tokens))
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise AssertionError(message)
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "parent", "tokens")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.reset()
+
+    def reset(self) -> None:
+        self.hash: int | None = None  # set while registered in the prefix cache
+        self.parent: int | None = _ROOT  # hash of the block before it
+        self.tokens: tuple[int, ...] = ()
+
+    def holds(self, parent: int | None, tokens: tuple[int, ...]) -> bool:
+        return self.parent == parent and self.tokens == tokens
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # ref 0, least recently freed first; OrderedDict: O(1) removal when a cached block is hit
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[int, int] = {}  # block hash -> block id
+        self._chains: dict[str, list[int]] = {}  # request id -> hashes of its first blocks, in order
+        self.num_prefix_queries_tokens = 0
+        self.num_prefix_hit_tokens = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by some request."""
+        return 1.0 - len(self.free_blocks) / self.num_blocks
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.num_prefix_hit_tokens / self.num_prefix_queries_tokens if self.num_prefix_queries_tokens else 0.0
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def get_computed_blocks(self, req: Request) -> list[int]:
+        """Cached blocks matching the start of the request's tokens, leaving at least one token to compute."""
+        if not self.enable_prefix_caching:
+            return []
+        tokens, size = req.all_token_ids, self.block_size
+        found: list[int] = []
+        parent = _ROOT
+        for i in range((len(tokens) - 1) // size):
+            chunk = tuple(tokens[i * size:(i + 1) * size])
+            h = hash_block(parent, chunk)
+            block_id = self.cached.get(h)
+            if block_id is None or not self.blocks[block_id].holds(parent, chunk):
+                break
+            found.append(block_id)
+            parent = h
+        return found
+
+    def can_allocate(self, req: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
+        num_new_blocks = self._num_new_blocks(req, num_new_tokens, computed_blocks)
+        num_revived = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
+        return num_new_blocks + num_revived <= len(self.free_blocks)
+
+    def allocate(self, req: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
+        """Grow req.block_ids to hold num_computed_tokens (+ the computed blocks) + num_new_tokens.
+
+        computed_blocks (from get_computed_blocks) only on a request's first allocation: they become
+        its first blocks and advance req.num_computed_tokens. False, and nothing changed, when the
+        free blocks do not suffice.
+        """
+        if computed_blocks and (req.block_ids or req.num_computed_tokens):
+            raise ValueError(f"{req.request_id}: computed blocks are only taken on the first allocation")
+        if not self.can_allocate(req, num_new_tokens, computed_blocks):
+            return False
+        num_new_blocks = self._num_new_blocks(req, num_new_tokens, computed_blocks)
+        if not req.block_ids:
+            self._start(req, computed_blocks)
+        for _ in range(num_new_blocks):
+            req.block_ids.append(self._take_free())
+        return True
+
+    def append_slot(self, req: Request) -> bool:
+        """Room for one more token (a decode step)."""
+        return self.allocate(req, 1)
+
+    def cache_full_blocks(self, req: Request, num_computed_tokens: int) -> None:
+        """Register the request's blocks that are full and computed up to num_computed_tokens."""
+        if not self.enable_prefix_caching:
+            return
+        chain = self._chains.setdefault(req.request_id, [])
+        num_full = min(num_computed_tokens // self.block_size, len(req.block_ids))
+        if len(chain) >= num_full:
+            return
+        tokens, size = req.all_token_ids, self.block_size
+        parent = chain[-1] if chain else _ROOT
+        for i in range(len(chain), num_full):
+            chunk = tuple(tokens[i * size:(i + 1) * size])
+            h = hash_block(parent, chunk)
+            block = self.blocks[req.block_ids[i]]
+            # a duplicate (same prefix computed twice at once) or a collision stays unregistered
+            if block.hash is None and h not in self.cached:
+                block.hash, block.parent, block.tokens = h, parent, chunk
+                self.cached[h] = block.block_id
+            chain.append(h)
+            parent = h
+
+    def free(self, req: Request) -> None:
+        """Drop the request's refs, tail first: its last blocks are then the first evicted."""
+        for block_id in reversed(req.block_ids):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_blocks[block_id] = None
+        req.block_ids = []
+        self._chains.pop(req.request_id, None)
+
+    def check_invariants(self, holders: Iterable[Request] | None = None) -> None:
+        """Raise AssertionError unless the books balance (holders: every request holding blocks)."""
+        refs = Counter(b for r in holders for b in r.block_ids) if holders is not None else None
+        for block in self.blocks:
+            _check(block.ref_count >= 0, f"block {block.block_id}: ref {block.ref_count}")
+            _check((block.ref_count == 0) == (block.block_id in self.free_blocks),
+                   f"block {block.block_id}: ref {block.ref_count} but free={block.block_id in self.free_blocks}")
+            if refs is not None:
+                _check(block.ref_count == refs[block.block_id],
+                       f"block {block.block_id}: ref {block.ref_count}, held by {refs[block.block_id]}")
+            if block.hash is not None:
+                _check(self.cached.get(block.hash) == block.block_id, f"block {block.block_id}: hash not mapped")
+                _check(len(block.tokens) == self.block_size, f"block {block.block_id}: cached but not full")
+        for h, block_id in self.cached.items():
+            _check(self.blocks[block_id].hash == h, f"hash {h} maps to block {block_id} with another hash")
+        _check(len(self.free_blocks) <= self.num_blocks, "free list longer than the pool")
+        _check(self.enable_prefix_caching or not self.cached, "blocks cached with prefix caching off")
+
+    def _num_new_blocks(self, req: Request, num_new_tokens: int, computed_blocks: Sequence[int]) -> int:
+        num_tokens = req.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+        return max(0, self.num_blocks_for(num_tokens) - len(req.block_ids) - len(computed_blocks))
+
+    def _start(self, req: Request, computed_blocks: Sequence[int]) -> None:
+        """First allocation (or the first after a preemption): take the prefix-cache hit."""
+        for block_id in computed_blocks:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_blocks[block_id]
+            block.ref_count += 1
+        req.block_ids = list(computed_blocks)
+        num_hit = len(computed_blocks) * self.block_size
+        req.num_computed_tokens += num_hit
+        req.num_cached_tokens = num_hit
+        if self.enable_prefix_caching:
+            self._chains[req.request_id] = [self.blocks[b].hash for b in computed_blocks]
+            self.num_prefix_queries_tokens += req.num_tokens
+            self.num_prefix_hit_tokens += num_hit
+
+    def _take_free(self) -> int:
+        block_id, _ = self.free_blocks.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None:  # evict its old prefix
+            del self.cached[block.hash]
+            block.reset()
+        block.ref_count = 1
+        return block_id

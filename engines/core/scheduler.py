@@ -1,0 +1,226 @@
+"""Token-budget scheduler of the paged engine (pure Python: no torch).
+
+Each step hands the model runner a plan (SchedulerOutput): how many tokens of which requests to
+compute, under `max_num_batched_tokens` tokens and `max_num_seqs` running requests. A prefill and
+a decode are the same thing here: a request computes `num_tokens - num_computed_tokens` tokens,
+chunked to what the budget leaves (1 for a decoding request).
+
+    schedule()  running first, in admission order; if blocks run out, preempt the newest running
+                request (free its blocks, recompute it later) and retry; then, unless this step
+                preempted, admit waiting requests first come first served, with their prefix hit
+    runner      computes the scheduled tokens, samples one token for each request whose chunk
+                reached the end of its tokens
+    update()    advances num_computed_tokens, appends the sampled tokens, retires finished requests
+
+The plan says only what changed: requests new to the runner (or back after a preemption) in full,
+others as the block ids appended since the last plan.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engines.core.block_manager import BlockManager
+from engines.core.request import Request, Status
+from engines.protocol import FINISH_LENGTH
+from engines.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has no state for: scheduled for the first time, or again after a preemption."""
+
+    request_id: str
+    token_ids: list[int]  # prompt + tokens generated so far (recomputed after a preemption)
+    num_prompt_tokens: int
+    block_ids: list[int]  # its whole block table
+    num_computed_tokens: int  # already in the cache (prefix hit): compute from this position on
+    sampling: SamplingParams
+
+
+@dataclass
+class CachedRequestData:
+    """A request the runner knows: the block ids appended to its table since the last plan."""
+
+    request_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int  # before this step's tokens
+
+
+@dataclass
+class SchedulerOutput:
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # request id -> tokens to compute
+    total_num_scheduled_tokens: int = 0
+    preempted_ids: list[str] = field(default_factory=list)  # drop their state: they come back as new
+    finished_ids: list[str] = field(default_factory=list)  # finished or aborted since the last plan
+
+    def add(self, request_id: str, num_tokens: int) -> None:
+        self.num_scheduled_tokens[request_id] = num_tokens
+        self.total_num_scheduled_tokens += num_tokens
+
+
+class Scheduler:
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, block_manager: BlockManager,
+                 max_model_len: int):
+        if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_model_len < 1:
+            raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must be positive")
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the last is the newest
+        self.requests: dict[str, Request] = {}  # unfinished, by id
+        self._num_blocks_sent: dict[str, int] = {}  # requests the runner holds -> len(block_ids) it knows
+        self._finished_ids: list[str] = []
+        self.num_preemptions = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def add(self, req: Request) -> None:
+        """Queue a request; ValueError when it could never run (too long for the model or the cache)."""
+        if req.request_id in self.requests:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        if not 0 < req.num_prompt_tokens <= self.max_model_len or req.sampling.max_new_tokens < 1:
+            raise ValueError(f"{req.request_id}: prompt of {req.num_prompt_tokens} tokens, "
+                             f"max_new_tokens {req.sampling.max_new_tokens}, max_model_len {self.max_model_len}")
+        if self.block_manager.num_blocks_for(self.max_num_slots(req)) > self.block_manager.num_blocks:
+            raise ValueError(f"{req.request_id}: needs more KV blocks than the cache has")
+        req.status = Status.WAITING
+        self.waiting.append(req)
+        self.requests[req.request_id] = req
+
+    def max_num_slots(self, req: Request) -> int:
+        """KV slots the request holds at its longest: the last sampled token is never computed."""
+        num_final = min(req.max_num_tokens, self.max_model_len)
+        return max(req.num_prompt_tokens, num_final - 1)
+
+    def abort(self, request_id: str) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        if req.status is Status.WAITING:
+            self.waiting.remove(req)
+        else:
+            self.running.remove(req)
+        req.abort()
+        self._retire(req)
+        return req
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_ids=self._finished_ids)
+        self._finished_ids = []
+        budget = self._schedule_running(out)
+        if not out.preempted_ids:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Apply a step's results (sampled: request id -> token); return the requests that got a token."""
+        produced: list[Request] = []
+        for request_id, num_tokens in output.num_scheduled_tokens.items():
+            req = self.requests.get(request_id)
+            if req is None or req.status is not Status.RUNNING:
+                continue  # aborted or preempted since the plan was made
+            req.num_computed_tokens += num_tokens
+            self.block_manager.cache_full_blocks(req, req.num_computed_tokens)
+            if req.num_computed_tokens < req.num_tokens:
+                continue  # mid-prefill: its logits are not wanted
+            req.append_token(sampled[request_id])
+            if not req.is_finished and req.num_tokens >= self.max_model_len:
+                req.finish(FINISH_LENGTH)
+            produced.append(req)
+        finished = [r for r in produced if r.is_finished]
+        if finished:
+            self.running = [r for r in self.running if not r.is_finished]
+            for req in finished:
+                self._retire(req)
+        return produced
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError unless queues, budgets and blocks agree (for tests)."""
+        bm = self.block_manager
+        bm.check_invariants(self.running)
+        if len(self.running) > self.max_num_seqs:
+            raise AssertionError(f"{len(self.running)} running > max_num_seqs {self.max_num_seqs}")
+        waiting_ids = {r.request_id for r in self.waiting}
+        running_ids = {r.request_id for r in self.running}
+        if waiting_ids & running_ids or waiting_ids | running_ids != set(self.requests):
+            raise AssertionError("waiting, running and the request map disagree")
+        if any(r.block_ids or r.num_computed_tokens for r in self.waiting):
+            raise AssertionError("a waiting request holds blocks")
+        for req in self.running:
+            if len(req.block_ids) * bm.block_size < req.num_computed_tokens:
+                raise AssertionError(f"{req.request_id}: computed tokens outside its blocks")
+
+    def _schedule_running(self, out: SchedulerOutput) -> int:
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.block_manager.allocate(req, num_new):
+                victim = self.running.pop()
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            else:
+                self._record(req, num_new, out)
+                budget -= num_new
+                i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        bm = self.block_manager
+        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+            req = self.waiting[0]
+            computed = bm.get_computed_blocks(req)
+            num_new = min(req.num_tokens - len(computed) * bm.block_size, budget)
+            if not bm.allocate(req, num_new, computed):
+                break  # first come first served: nobody jumps the queue
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            self._record(req, num_new, out)
+            budget -= num_new
+
+    def _record(self, req: Request, num_tokens: int, out: SchedulerOutput) -> None:
+        num_sent = self._num_blocks_sent.get(req.request_id)
+        if num_sent is None:
+            out.new_requests.append(NewRequestData(req.request_id, req.all_token_ids, req.num_prompt_tokens,
+                                                   list(req.block_ids), req.num_computed_tokens, req.sampling))
+        else:
+            out.cached_requests.append(CachedRequestData(req.request_id, req.block_ids[num_sent:],
+                                                         req.num_computed_tokens))
+        self._num_blocks_sent[req.request_id] = len(req.block_ids)
+        out.add(req.request_id, num_tokens)
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.block_manager.free(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = Status.WAITING
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+        if self._num_blocks_sent.pop(req.request_id, None) is not None:
+            out.preempted_ids.append(req.request_id)
+
+    def _retire(self, req: Request) -> None:
+        """A finished or aborted request: free its blocks, tell the runner to drop it."""
+        self.block_manager.free(req)
+        self.requests.pop(req.request_id, None)
+        if self._num_blocks_sent.pop(req.request_id, None) is not None:
+            self._finished_ids.append(req.request_id)

@@ -1,0 +1,110 @@
+"""What the rolling engines share: the inbox, the queue bound, the loop, the KV budget, errors.
+
+Messages from the HTTP side (ADD / ABORT) arrive on a thread-safe inbox (the endpoint's IO thread
+puts them there) and are taken between steps; the loop blocks on the inbox only when idle.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+
+import torch
+
+from engines.config import LmiConfig, SchedulerConfig, memory_bytes
+from engines.protocol import FINISH_ERROR, Abort, Add, Output
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_FRACTION = "0.25"  # of available RAM, when option.kv_cache_memory is unset
+
+
+class EngineLoop:
+    def __init__(self, config: LmiConfig, publish):
+        self.config = config
+        self._publish = publish
+        self.inbox: "queue.SimpleQueue[Add | Abort]" = queue.SimpleQueue()
+        self.num_steps = 0
+
+    # -- what each engine provides ----------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        raise NotImplementedError
+
+    def has_work(self) -> bool:
+        raise NotImplementedError
+
+    def add(self, msg: Add) -> None:
+        raise NotImplementedError
+
+    def abort(self, request_id: str) -> None:
+        raise NotImplementedError
+
+    def step(self) -> None:
+        raise NotImplementedError
+
+    # -- shared -------------------------------------------------------------------------------------
+    def submit(self, msg: Add | Abort) -> None:
+        self.inbox.put(msg)
+
+    def run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            self._take_messages(block=not self.has_work())
+            if self.has_work():
+                self.step()
+
+    def _take_messages(self, block: bool) -> None:
+        try:
+            msg = self.inbox.get(timeout=0.1) if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if isinstance(msg, Abort):
+                self.abort(msg.request_id)
+            elif self.num_waiting >= self.config.scheduler.job_queue_size:
+                self.publish_error(msg.request_id, 503, "the request queue is full "
+                                   f"(job_queue_size={self.config.scheduler.job_queue_size})")
+            else:
+                self.add(msg)
+            try:
+                msg = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def publish(self, outputs: list[Output]) -> None:
+        self._publish(outputs)
+
+    def publish_error(self, request_id: str, code: int, message: str) -> None:
+        self._publish([Output(request_id, [], finished=True, finish_reason=FINISH_ERROR, error_code=code,
+                              error=message)])
+
+    def fail_step(self, request_ids: list[str], exc: Exception) -> None:
+        """A failed step fails its requests (424, or 507 when out of memory), not the engine."""
+        oom = isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
+        if not oom:
+            log.exception("step %d failed", self.num_steps)
+        what = "out of memory" if oom else "the model failed during generation"
+        self._publish([Output(rid, [], finished=True, finish_reason=FINISH_ERROR, error_code=507 if oom else 424,
+                              error=f"{what}: {exc}") for rid in request_ids])
+
+
+def kv_budget_bytes(sched: SchedulerConfig, device: torch.device) -> int:
+    """Memory for the KV cache: on CUDA what gpu_memory_utilization leaves after the weights; on CPU
+    option.kv_cache_memory (bytes, or a fraction of available RAM; default a quarter)."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return max(int(total * sched.gpu_memory_utilization) - (total - free), 0)
+    return memory_bytes(sched.kv_cache_memory or DEFAULT_CPU_KV_FRACTION, available_ram())
+
+
+def available_ram() -> int:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

@@ -1,0 +1,224 @@
+"""Native Llama-family model code against HF transformers; the safetensors loader; the registry."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from container.model_maker import make_model
+from engines.dist import SingleProcess
+from engines.loader import build_model, checkpoint_files
+from engines.models.llama import LlamaForCausalLM
+from engines.models.registry import REGISTRY, model_class
+from engines.worker.padded_cache import GROW, PaddedKVCache
+
+ROOT = Path(__file__).resolve().parent.parent
+CPU = torch.device("cpu")
+PAD = 0
+PROMPTS = [[1, 17, 203], [1, 44, 5, 900, 61, 62, 7, 8, 9], [1, 300, 301, 302, 303, 304]]
+DECODE = [[11, 21, 31], [12, 22, 1000]]  # two decode steps, one token per row
+ATOL = 1e-4
+
+VARIANTS = {
+    "llama": ("llama", None),
+    "mistral": ("mistral", None),
+    "qwen2": ("qwen2", None),
+    "llama-mqa": ("llama", {"num_key_value_heads": 1}),
+    "llama-mha": ("llama", {"num_key_value_heads": 4}),  # 4 attention heads in tiny: plain MHA
+    "llama-bias": ("llama", {"attention_bias": True}),  # q/k/v and o biases
+    "llama-head-dim": ("llama", {"head_dim": 32}),  # head_dim != hidden / heads
+    "llama-rope-theta": ("llama", {"rope_parameters": {"rope_type": "default", "rope_theta": 500.0}}),
+}
+
+
+def perturb_checkpoint(model_dir: Path, seed: int) -> None:
+    """Random init leaves norms at 1 and biases at 0, where a mix-up would not show: randomise them."""
+    path = model_dir / "model.safetensors"
+    tensors = load_file(path)
+    g = torch.Generator().manual_seed(seed)
+    for name, t in tensors.items():
+        if name.endswith("norm.weight"):
+            tensors[name] = 1.0 + 0.3 * torch.randn(t.shape, generator=g)
+        elif name.endswith(".bias"):
+            tensors[name] = 0.3 * torch.randn(t.shape, generator=g)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    """Made lazily, once per variant, for the whole module."""
+    made: dict[str, Path] = {}
+
+    def get(variant: str) -> Path:
+        if variant not in made:
+            arch, overrides = VARIANTS[variant]
+            out = tmp_path_factory.mktemp("models") / variant
+            make_model(str(out), arch=arch, size="tiny", seed=len(made) + 3, overrides=overrides)
+            perturb_checkpoint(out, seed=len(made) + 100)
+            made[variant] = out
+        return made[variant]
+
+    return get
+
+
+def load_native(model_dir: Path):
+    cfg = AutoConfig.from_pretrained(model_dir)
+    return build_model(model_class(cfg.architectures[0]), cfg, SingleProcess(), torch.float32, CPU, 1024,
+                       progress=False)
+
+
+def forward(model, cache: PaddedKVCache, ids: torch.Tensor) -> torch.Tensor:
+    """As ModelRunner._forward: positions count from each row's first real token."""
+    t = ids.shape[1]
+    cols = torch.arange(cache.width, cache.width + t).view(1, -1)
+    positions = (cols - cache.pads.view(-1, 1)).clamp(min=0)
+    cache.begin_forward(t)
+    try:
+        return model(ids, positions, cache)
+    finally:
+        cache.end_forward()
+
+
+def native_logits(model, prompts, decode_steps) -> list[torch.Tensor]:
+    """Last-token logits [B, V] of a left-padded prefill, then of each decode step."""
+    width = max(len(p) for p in prompts)
+    pads = [width - len(p) for p in prompts]
+    ids = torch.full((len(prompts), width), PAD, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, pads[i]:] = torch.tensor(p)
+    cache = PaddedKVCache.empty(model.config.num_hidden_layers, len(prompts), model.num_kv_heads, model.head_dim,
+                                pads, width + GROW, torch.float32, CPU)
+    out = [forward(model, cache, ids)]
+    for step in decode_steps:
+        out.append(forward(model, cache, torch.tensor(step).view(-1, 1)))
+    return out
+
+
+@torch.no_grad()
+def hf_logits(hf, prompts, decode_steps) -> list[torch.Tensor]:
+    """The same, each prompt alone through HF on its whole sequence."""
+    out = []
+    for n in range(len(decode_steps) + 1):
+        rows = []
+        for i, p in enumerate(prompts):
+            seq = p + [step[i] for step in decode_steps[:n]]
+            rows.append(hf(torch.tensor([seq])).logits[0, -1].float())
+        out.append(torch.stack(rows))
+    return out
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_native_model_matches_hf_on_padded_prefill_and_decode(model_dirs, variant):
+    model_dir = model_dirs(variant)
+    cfg = AutoConfig.from_pretrained(model_dir)
+    arch, overrides = VARIANTS[variant]
+    assert cfg.model_type == arch
+    for key, value in (overrides or {}).items():
+        actual = getattr(cfg, key)
+        assert actual == value if not isinstance(value, dict) else value.items() <= actual.items()
+    model = load_native(model_dir)
+    assert isinstance(model, LlamaForCausalLM)
+    assert model.num_kv_heads == cfg.num_key_value_heads
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    ours = native_logits(model, PROMPTS, DECODE)
+    ref = hf_logits(hf, PROMPTS, DECODE)
+    assert len(ours) == len(ref) == 3
+    for step, (a, b) in enumerate(zip(ours, ref)):
+        assert a.shape == b.shape == (len(PROMPTS), cfg.vocab_size)
+        assert a.dtype == torch.float32
+        diff = (a - b).abs().max().item()
+        assert diff < ATOL, f"{variant} step {step}: max abs diff {diff}"
+    assert ref[0].std() > 0.1  # logits that are not flat: the comparison means something
+
+
+def test_native_logits_do_not_depend_on_the_batch(model_dirs):
+    model = load_native(model_dirs("llama"))
+    batched = native_logits(model, PROMPTS, DECODE)
+    for i, p in enumerate(PROMPTS):
+        alone = native_logits(model, [p], [[step[i]] for step in DECODE])
+        for a, b in zip(batched, alone):
+            assert (a[i] - b[0]).abs().max().item() < ATOL
+
+
+def test_sharded_checkpoint_loads_to_identical_logits(model_dirs, tmp_path):
+    src = model_dirs("llama")
+    hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    sharded = tmp_path / "sharded"
+    hf.save_pretrained(sharded, max_shard_size="100KB")
+    index = sharded / "model.safetensors.index.json"
+    assert index.is_file()
+    assert not (sharded / "model.safetensors").exists()
+    weight_map = json.loads(index.read_text())["weight_map"]
+    shard_names = sorted(set(weight_map.values()))
+    assert len(shard_names) > 2
+
+    files = checkpoint_files(str(sharded))
+    assert files == [os.path.join(str(sharded), name) for name in shard_names]
+    assert all(os.path.isfile(f) for f in files)
+    assert checkpoint_files(str(src)) == [os.path.join(str(src), "model.safetensors")]
+
+    single = native_logits(load_native(src), PROMPTS, DECODE)
+    multi = native_logits(load_native(sharded), PROMPTS, DECODE)
+    for a, b in zip(single, multi):
+        assert torch.equal(a, b)
+
+
+def copy_without(src: Path, dst: Path, drop: set[str]) -> None:
+    dst.mkdir()
+    shutil.copy(src / "config.json", dst / "config.json")
+    tensors = load_file(src / "model.safetensors")
+    assert drop <= set(tensors)
+    save_file({k: v for k, v in tensors.items() if k not in drop}, dst / "model.safetensors",
+              metadata={"format": "pt"})
+
+
+def test_checkpoint_missing_the_final_norm_raises(model_dirs, tmp_path):
+    broken = tmp_path / "broken"
+    copy_without(model_dirs("llama"), broken, {"model.norm.weight"})
+    with pytest.raises(ValueError, match=r"norm\.weight"):
+        load_native(broken)
+
+
+def test_checkpoint_missing_a_projection_raises_naming_its_layer(model_dirs, tmp_path):
+    broken = tmp_path / "broken"
+    copy_without(model_dirs("llama"), broken, {"model.layers.1.self_attn.k_proj.weight"})
+    with pytest.raises(ValueError, match=r"layers\.1\.self_attn\.") as info:
+        load_native(broken)
+    assert "layers.0" not in str(info.value)
+
+
+def test_checkpoint_missing_the_lm_head_raises(model_dirs, tmp_path):
+    broken = tmp_path / "broken"
+    copy_without(model_dirs("llama"), broken, {"lm_head.weight"})
+    with pytest.raises(ValueError, match=r"lm_head"):
+        load_native(broken)
+
+
+def test_no_checkpoint_raises_file_not_found(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        checkpoint_files(str(tmp_path))
+
+
+def test_registry_maps_exactly_the_llama_family():
+    assert set(REGISTRY) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+    for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"):
+        assert model_class(arch) is LlamaForCausalLM
+    for arch in ("GPT2LMHeadModel", "Qwen3ForCausalLM", "MixtralForCausalLM", "llamaforcausallm", ""):
+        assert model_class(arch) is None
+
+
+def test_model_code_does_not_use_transformers():
+    files = [ROOT / "engines" / "models" / "llama.py"] + sorted(Path(p) for p in glob.glob(str(ROOT / "engines" / "layers" / "*.py")))
+    assert len(files) >= 6  # llama.py and the five layer modules at least
+    for path in files:
+        source = path.read_text(encoding="utf-8")
+        assert "transformers" not in source, path
