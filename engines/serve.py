@@ -14,7 +14,7 @@ import signal
 import sys
 import threading
 
-from engines.config import ENGINE_DYNAMIC, ENGINE_ROLLING, LmiConfig
+from engines.config import ENGINE_DYNAMIC, ENGINE_PAGED, ENGINE_ROLLING, LmiConfig
 from engines.endpoint import EngineEndpoint
 from engines.protocol import STATE_DEAD, STATE_LOADING, STATE_READY, HealthReply, engine_socket_path
 
@@ -31,8 +31,11 @@ def build_engine(config: LmiConfig, publish):
         from engines.worker.rolling_engine import RollingEngine
 
         return RollingEngine(config, publish)
-    raise RuntimeError(f"the {kind} engine is not available in this build; use option.rolling_batch=scheduler "
-                       "(padded rolling batch) or disable (dynamic batching)")
+    if kind == ENGINE_PAGED:
+        from engines.worker.paged_engine import PagedEngine
+
+        return PagedEngine(config, publish)
+    raise ValueError(f"unknown engine kind {kind!r}")
 
 
 class EngineProcess:

@@ -37,7 +37,7 @@ def _check(condition: bool, message: str) -> None:
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "parent", "tokens")
+    __slots__ = ("block_id", "hash", "parent", "ref_count", "tokens")
 
     def __init__(self, block_id: int):
         self.block_id = block_id

@@ -1,0 +1,117 @@
+"""Rolling batching over a paged KV cache: the step is schedule → execute → sample → update → publish.
+
+The KV cache is sized from the memory budget left after loading the weights; the block manager
+and the token-budget scheduler (engines/core, pure Python) decide what each step computes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from engines.config import LmiConfig, model_max_len
+from engines.core.block_manager import BlockManager
+from engines.core.request import Request
+from engines.core.scheduler import Scheduler
+from engines.protocol import Add, HealthReply, Output
+from engines.worker.engine_loop import EngineLoop, kv_budget_bytes
+from engines.worker.model_runner import ModelRunner
+from engines.worker.paged_runner import PagedRunner
+from engines.worker.sampler import Sampler
+
+log = logging.getLogger(__name__)
+
+
+class PagedEngine(EngineLoop):
+    def __init__(self, config: LmiConfig, publish, comm=None):
+        super().__init__(config, publish)
+        self.max_model_len = model_max_len(config.model.local_dir, config.model.max_model_len)
+        self.runner = ModelRunner(config.model, self.max_model_len, comm)
+        self.sampler = Sampler(self.runner.device)
+        self.requests: dict[str, Request] = {}
+        self._arrivals = 0
+
+    def load(self) -> None:
+        self.runner.load()
+        sched = self.config.scheduler
+        block_bytes = sched.kv_block_size * self.runner.kv_bytes_per_token
+        num_blocks = max(kv_budget_bytes(sched, self.runner.device) // block_bytes, 1)
+        self.paged = PagedRunner(self.runner, num_blocks, sched.kv_block_size)
+        self.blocks = BlockManager(num_blocks, sched.kv_block_size, sched.enable_prefix_caching)
+        self.scheduler = Scheduler(sched.max_num_seqs, sched.max_num_batched_tokens, self.blocks, self.max_model_len)
+        log.info("paged KV cache: %d blocks of %d tokens = %d tokens, %d bytes; prefix caching %s; "
+                 "max_num_seqs %d, max_num_batched_tokens %d", num_blocks, sched.kv_block_size,
+                 num_blocks * sched.kv_block_size, self.paged.cache.num_bytes,
+                 "on" if sched.enable_prefix_caching else "off", sched.max_num_seqs, sched.max_num_batched_tokens)
+
+    def health(self, state: str) -> HealthReply:
+        used = self.blocks.num_blocks - self.blocks.num_free_blocks if hasattr(self, "blocks") else 0
+        return HealthReply(state, num_waiting=self.num_waiting, num_running=self.scheduler.num_running,
+                           num_batches=self.num_steps, num_kv_slots=used * self.config.scheduler.kv_block_size,
+                           metrics=self.metrics())
+
+    def metrics(self) -> dict[str, float]:
+        bm, sched = self.blocks, self.scheduler
+        stored = sum(r.num_computed_tokens for r in sched.running)
+        allocated = sum(len(r.block_ids) for r in sched.running) * bm.block_size
+        return {"kv_cache_usage": bm.usage, "kv_blocks_total": bm.num_blocks, "kv_blocks_free": bm.num_free_blocks,
+                "kv_slots_allocated": allocated, "kv_slots_unused": allocated - stored,
+                "prefix_cache_hit_rate": bm.prefix_hit_rate, "prefix_cache_hit_tokens": bm.num_prefix_hit_tokens,
+                "prefix_cache_query_tokens": bm.num_prefix_queries_tokens,
+                "preemptions": sched.num_preemptions, "running": sched.num_running,
+                "waiting": sched.num_waiting, "steps": self.num_steps}
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def add(self, msg: Add) -> None:
+        req = Request(msg.request_id, msg.prompt_token_ids, msg.sampling, self.runner.eos_token_ids, self._arrivals)
+        self._arrivals += 1
+        try:
+            self.scheduler.add(req)
+        except ValueError as exc:  # can never fit the cache (or the model): refuse now, not never
+            self.publish_error(req.request_id, 507, f"the request cannot be served: {exc}")
+            return
+        self.requests[req.request_id] = req
+        self.sampler.add(req.request_id, req.sampling)
+
+    def abort(self, request_id: str) -> None:
+        if self.scheduler.abort(request_id) is not None:
+            self._forget(request_id)
+
+    def step(self) -> None:
+        self.num_steps += 1
+        plan = self.scheduler.schedule()
+        if not plan.total_num_scheduled_tokens:
+            return
+        try:
+            rids, logits = self.paged.execute(plan)
+            result = self.sampler.sample_requests(logits, [self.requests[r] for r in rids]) if rids else None
+        except Exception as exc:
+            victims = list(plan.num_scheduled_tokens)
+            for rid in victims:
+                self.scheduler.abort(rid)
+                self._forget(rid)
+            self.fail_step(victims, exc)
+            return
+        sampled = dict(zip(rids, result.token_ids)) if result else {}
+        for rid, token in sampled.items():
+            self.paged.append_token(rid, token)
+        updated = self.scheduler.update(plan, sampled)
+        index = {rid: i for i, rid in enumerate(rids)}
+        outputs = []
+        for req in updated:
+            i = index[req.request_id]
+            top = [result.top_tokens[i]] if req.sampling.top_n_tokens else []
+            outputs.append(Output(req.request_id, [result.token_ids[i]], [result.log_probs[i]], top,
+                                  req.is_finished, req.finish_reason))
+            if req.is_finished:
+                self._forget(req.request_id)
+        self.publish(outputs)
+
+    def _forget(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+        self.sampler.remove(request_id)

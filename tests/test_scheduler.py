@@ -1,0 +1,349 @@
+"""Scheduler: token budget, chunked prefill, FIFO admission, preemption, aborts (pure Python, a fake model).
+
+The fake runner keeps its own state from the plans alone (as the real one must) and a fake KV cache:
+slot(p) holds a key of the whole prefix up to position p, so reading a wrong block (a false prefix
+hit, a block shared while still written, a block table out of date) fails the check at sampling time.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from engines.core.block_manager import BlockManager
+from engines.core.request import Request, Status
+from engines.core.scheduler import Scheduler, SchedulerOutput
+from engines.protocol import FINISH_ABORT, FINISH_EOS, FINISH_LENGTH
+from engines.sampling_params import SamplingParams
+
+EOS = 1
+VOCAB = 12
+
+
+def fake_token(request_id: str, position: int) -> int:
+    """The fake model: the token at a position depends on the request and the position only."""
+    return zlib.crc32(f"{request_id}/{position}".encode()) % VOCAB
+
+
+@dataclass
+class RunnerState:
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    keys: list[int] = field(default_factory=list)  # keys[p]: hash of token_ids[:p + 1]
+
+    def key(self, p: int) -> int:
+        while len(self.keys) <= p:
+            self.keys.append(hash((self.keys[-1] if self.keys else None, self.token_ids[len(self.keys)])))
+        return self.keys[p]
+
+
+class FakeRunner:
+    def __init__(self, bm: BlockManager):
+        self.block_size = bm.block_size
+        self.kv: list[int | None] = [None] * (bm.num_blocks * bm.block_size)
+        self.states: dict[str, RunnerState] = {}
+
+    def slot(self, s: RunnerState, p: int) -> int:
+        return s.block_ids[p // self.block_size] * self.block_size + p % self.block_size
+
+    def check_reads(self, s: RunnerState) -> None:
+        for p in range(s.num_computed_tokens):
+            assert self.kv[self.slot(s, p)] == s.key(p), f"position {p}: wrong K/V"
+
+    def execute(self, plan: SchedulerOutput) -> dict[str, int]:
+        for request_id in plan.finished_ids + plan.preempted_ids:
+            del self.states[request_id]
+        for new in plan.new_requests:
+            assert new.request_id not in self.states
+            s = RunnerState(list(new.token_ids), list(new.block_ids), new.num_computed_tokens)
+            self.check_reads(s)  # the prefix hit holds exactly these tokens
+            self.states[new.request_id] = s
+        for cached in plan.cached_requests:
+            s = self.states[cached.request_id]
+            assert s.num_computed_tokens == cached.num_computed_tokens
+            s.block_ids += cached.new_block_ids
+        sampled = {}
+        for request_id, n in plan.num_scheduled_tokens.items():
+            s = self.states[request_id]
+            end = s.num_computed_tokens + n
+            assert 0 < n and end <= len(s.token_ids) and end <= len(s.block_ids) * self.block_size
+            for p in range(s.num_computed_tokens, s.num_computed_tokens + n):
+                self.kv[self.slot(s, p)] = s.key(p)
+            s.num_computed_tokens += n
+            if s.num_computed_tokens == len(s.token_ids):
+                self.check_reads(s)
+                token = fake_token(request_id, len(s.token_ids))
+                s.token_ids.append(token)
+                sampled[request_id] = token
+        return sampled
+
+
+def make(num_blocks=64, block_size=4, seqs=8, tokens=64, model_len=256, caching=True):
+    bm = BlockManager(num_blocks, block_size, caching)
+    return Scheduler(seqs, tokens, bm, model_len), FakeRunner(bm)
+
+
+def request(rid: str, prompt: list[int] | int, max_new=8, **sampling) -> Request:
+    prompt = list(range(2, 2 + prompt)) if isinstance(prompt, int) else prompt
+    return Request(rid, prompt, SamplingParams(max_new_tokens=max_new, ignore_eos=True, **sampling),
+                   frozenset({EOS}), 0)
+
+
+def step(sched: Scheduler, runner: FakeRunner) -> tuple[SchedulerOutput, list[Request]]:
+    plan = sched.schedule()
+    assert plan.total_num_scheduled_tokens == sum(plan.num_scheduled_tokens.values())
+    assert plan.total_num_scheduled_tokens <= sched.max_num_batched_tokens
+    sched.check_invariants()
+    produced = sched.update(plan, runner.execute(plan))
+    sched.check_invariants()
+    return plan, produced
+
+
+def drain(sched: Scheduler, runner: FakeRunner, limit=10_000) -> None:
+    for _ in range(limit):
+        if not sched.has_unfinished:
+            return
+        step(sched, runner)
+    raise AssertionError("no progress")
+
+
+def expected_tokens(rid: str, num_prompt: int, max_new: int, ignore_eos: bool, model_len: int) -> list[int]:
+    out: list[int] = []
+    while True:
+        out.append(fake_token(rid, num_prompt + len(out)))
+        if (out[-1] == EOS and not ignore_eos) or len(out) >= max_new or num_prompt + len(out) >= model_len:
+            return out
+
+
+def test_chunked_prefill_takes_four_steps_and_samples_on_the_last():
+    sched, runner = make(tokens=32, block_size=16)
+    r = request("a", 100)
+    sched.add(r)
+    chunks = []
+    for _ in range(4):
+        plan, produced = step(sched, runner)
+        chunks.append(plan.num_scheduled_tokens["a"])
+        assert produced == ([r] if len(chunks) == 4 else []) and r.num_generated_tokens == (len(chunks) == 4)
+    assert chunks == [32, 32, 32, 4]
+    assert r.num_computed_tokens == 100 and len(r.block_ids) == 7
+    plan, _ = step(sched, runner)
+    assert plan.num_scheduled_tokens == {"a": 1} and plan.cached_requests[0].new_block_ids == []
+
+
+def test_decodes_come_before_waiting_prompts():
+    sched, runner = make(tokens=10)
+    a = request("a", 5)
+    sched.add(a)
+    step(sched, runner)
+    b, c = request("b", 30), request("c", 3)
+    sched.add(b)
+    sched.add(c)
+    plan, produced = step(sched, runner)
+    assert list(plan.num_scheduled_tokens.items()) == [("a", 1), ("b", 9)]  # c waits behind b
+    assert produced == [a] and [n.request_id for n in plan.new_requests] == ["b"]
+    plan, _ = step(sched, runner)
+    assert list(plan.num_scheduled_tokens.items()) == [("a", 1), ("b", 9)]
+
+
+def test_max_num_seqs_caps_running_requests():
+    sched, runner = make(seqs=2)
+    for i, max_new in enumerate([2, 5, 5]):
+        sched.add(request(f"r{i}", 4, max_new=max_new))
+    plan, _ = step(sched, runner)
+    assert set(plan.num_scheduled_tokens) == {"r0", "r1"} and sched.num_waiting == 1
+    plan, produced = step(sched, runner)
+    assert [r.request_id for r in produced if r.is_finished] == ["r0"]
+    plan, _ = step(sched, runner)
+    assert plan.finished_ids == ["r0"] and plan.num_scheduled_tokens == {"r1": 1, "r2": 4}
+
+
+def test_admission_is_first_come_first_served():
+    sched, runner = make(num_blocks=6, block_size=4, caching=False)
+    sched.add(request("a", 12, max_new=4))  # 3 blocks
+    step(sched, runner)
+    sched.add(request("big", 16))  # 4 blocks: does not fit in the 3 left
+    sched.add(request("small", 2))  # would fit
+    plan, _ = step(sched, runner)
+    assert plan.num_scheduled_tokens == {"a": 1} and sched.num_waiting == 2
+    drain(sched, runner)
+    assert sched.block_manager.num_free_blocks == 6
+
+
+def test_preemption_of_the_newest_request_and_its_recomputation():
+    sched, runner = make(num_blocks=4, block_size=4, caching=False)
+    a, b = request("a", 7, max_new=8), request("b", 7, max_new=8)
+    sched.add(a)
+    sched.add(b)
+    step(sched, runner)  # both prefill: 2 blocks each, the pool is full
+    step(sched, runner)  # both decode into their second block (position 7)
+    sched.add(request("c", 1))
+    plan, _ = step(sched, runner)  # a needs a third block: b, the newest, goes
+    assert plan.preempted_ids == ["b"] and plan.num_scheduled_tokens == {"a": 1} and plan.new_requests == []
+    assert [r.request_id for r in sched.waiting] == ["b", "c"]  # b back at the front
+    assert b.num_computed_tokens == 0 and b.block_ids == [] and b.num_preemptions == 1
+    assert sched.num_preemptions == 1
+    drain(sched, runner)
+    for r in (a, b):
+        assert r.output_token_ids == expected_tokens(r.request_id, 7, 8, True, 256)
+    assert sched.block_manager.num_free_blocks == 4
+
+
+def test_a_request_preempts_itself_when_it_is_the_newest():
+    sched, runner = make(num_blocks=5, block_size=4, caching=False)
+    a, b = request("a", 8, max_new=8), request("b", 7, max_new=8)
+    sched.add(a)
+    sched.add(b)
+    step(sched, runner)  # 2 blocks each, one left
+    step(sched, runner)  # a (position 8) takes the last free block
+    plan, _ = step(sched, runner)  # b needs one: it is the newest itself
+    assert plan.preempted_ids == ["b"] and plan.num_scheduled_tokens == {"a": 1}
+    drain(sched, runner)
+    assert b.output_token_ids == expected_tokens("b", 7, 8, True, 256)
+
+
+def test_prefix_hit_is_scheduled_from_the_cached_position():
+    sched, runner = make(block_size=4)
+    prefix = list(range(2, 16))  # 3.5 blocks
+    sched.add(request("a", prefix + [3], max_new=2))
+    drain(sched, runner)
+    b = request("b", prefix + [4, 5])
+    sched.add(b)
+    plan, _ = step(sched, runner)
+    assert plan.new_requests[0].num_computed_tokens == 12 and b.num_cached_tokens == 12
+    assert plan.num_scheduled_tokens == {"b": 4}
+
+
+def test_abort_frees_blocks_at_once():
+    sched, runner = make(num_blocks=8)
+    a, b = request("a", 10), request("b", 3)
+    sched.add(a)
+    step(sched, runner)
+    sched.add(b)
+    assert sched.abort("a") is a and a.finish_reason == FINISH_ABORT
+    assert sched.block_manager.num_free_blocks == 8 and a.block_ids == []
+    assert sched.abort("b") is b and sched.abort("b") is None and sched.abort("nope") is None
+    assert not sched.has_unfinished
+    plan = sched.schedule()
+    assert plan.finished_ids == ["a"] and plan.num_scheduled_tokens == {}  # b never reached the runner
+
+
+def test_abort_between_schedule_and_update_drops_the_result():
+    sched, runner = make()
+    a = request("a", 4)
+    sched.add(a)
+    plan = sched.schedule()
+    sampled = runner.execute(plan)
+    sched.abort("a")
+    assert sched.update(plan, sampled) == [] and a.output_token_ids == []
+
+
+def test_stops_at_eos_and_at_the_model_length():
+    sched, runner = make(model_len=10)
+    long = request("long", 8, max_new=50)
+    sched.add(long)
+    drain(sched, runner)
+    assert long.num_tokens == 10 and long.finish_reason == FINISH_LENGTH
+    rid = next(f"e{i}" for i in range(1000) if fake_token(f"e{i}", 4) == EOS)
+    eos = Request(rid, [5, 6, 7, 8], SamplingParams(max_new_tokens=5), frozenset({EOS}), 0)
+    sched.add(eos)
+    drain(sched, runner)
+    assert eos.output_token_ids == [EOS] and eos.finish_reason == FINISH_EOS
+
+
+def test_add_rejects_what_could_never_run():
+    sched, _ = make(num_blocks=4, block_size=4, model_len=32)
+    with pytest.raises(ValueError):
+        sched.add(request("too-long", 33))
+    with pytest.raises(ValueError):
+        sched.add(request("too-big", 10, max_new=10))  # 19 slots > 16
+    sched.add(request("fits", 10, max_new=7))  # 16 slots
+    with pytest.raises(ValueError):
+        sched.add(request("fits", 3))
+    assert sched.num_waiting == 1 and sched.requests["fits"].status is Status.WAITING
+
+
+# -- randomized scenarios ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Spec:
+    request_id: str
+    prompt: list[int]
+    max_new: int
+    ignore_eos: bool
+    arrival: int
+    abort_at: int | None
+
+
+@st.composite
+def scenarios(draw):
+    block_size = draw(st.sampled_from([1, 2, 4, 8]))
+    model_len = draw(st.sampled_from([12, 24, 48]))
+    tokens = st.integers(2, VOCAB - 1)
+    prefixes = [draw(st.lists(tokens, max_size=20)) for _ in range(2)]
+    specs = []
+    for i in range(draw(st.integers(1, 8))):
+        prompt = (draw(st.sampled_from(prefixes)) + draw(st.lists(tokens, max_size=8)))[:model_len] or [2]
+        specs.append(Spec(f"r{i}", prompt, draw(st.integers(1, 12)), draw(st.booleans()),
+                          draw(st.integers(0, 8)), draw(st.none() | st.integers(0, 30))))
+    limits = {"block_size": block_size, "model_len": model_len, "caching": draw(st.booleans()),
+              "seqs": draw(st.integers(1, 6)), "tokens": draw(st.integers(1, 40))}
+    extra_blocks = draw(st.integers(0, 3))  # few: preemptions
+    return specs, limits, extra_blocks
+
+
+def run_scenario(specs: list[Spec], limits: dict, num_blocks: int) -> tuple[dict[str, Request], Scheduler]:
+    sched, runner = make(num_blocks=num_blocks, **limits)
+    reqs: dict[str, Request] = {}
+    for n in range(5_000):
+        for spec in specs:
+            if spec.arrival == n:
+                reqs[spec.request_id] = Request(spec.request_id, spec.prompt, SamplingParams(
+                    max_new_tokens=spec.max_new, ignore_eos=spec.ignore_eos), frozenset({EOS}), n)
+                sched.add(reqs[spec.request_id])
+            if spec.abort_at == n:
+                sched.abort(spec.request_id)
+        if not sched.has_unfinished and n > max(s.arrival for s in specs):
+            break
+        plan, _ = step(sched, runner)
+        assert sched.num_running <= sched.max_num_seqs
+        assert plan.total_num_scheduled_tokens > 0 or not sched.has_unfinished
+    else:
+        raise AssertionError("the scenario did not finish")
+    assert sched.block_manager.num_free_blocks == num_blocks and not sched.running and not sched.waiting
+    sched.block_manager.check_invariants([])
+    return reqs, sched
+
+
+def needed_blocks(spec: Spec, block_size: int, model_len: int) -> int:
+    num_final = min(len(spec.prompt) + spec.max_new, model_len)
+    return -(-max(len(spec.prompt), num_final - 1) // block_size)
+
+
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_random_scenarios_keep_budgets_blocks_and_tokens(scenario):
+    specs, limits, extra_blocks = scenario
+    bs, model_len = limits["block_size"], limits["model_len"]
+    small = max(needed_blocks(s, bs, model_len) for s in specs) + extra_blocks
+    huge = sum(needed_blocks(s, bs, model_len) for s in specs) + 1
+    (got, sched), (reference, _) = run_scenario(specs, limits, small), run_scenario(specs, limits, huge)
+    event(f"preempted: {sched.num_preemptions > 0}")
+    event(f"prefix hit: {sched.block_manager.num_prefix_hit_tokens > 0}")
+    event(f"aborted: {any(r.finish_reason == FINISH_ABORT for r in got.values())}")
+    event(f"chunked: {any(len(s.prompt) > limits['tokens'] for s in specs)}")
+    for spec in specs:
+        want = expected_tokens(spec.request_id, len(spec.prompt), spec.max_new, spec.ignore_eos, model_len)
+        for reqs in (got, reference):
+            r = reqs[spec.request_id]
+            assert r.is_finished and r.block_ids == []
+            if r.finish_reason == FINISH_ABORT:
+                assert r.output_token_ids == want[:r.num_generated_tokens]
+            else:
+                assert r.output_token_ids == want
+        if FINISH_ABORT not in (got[spec.request_id].finish_reason, reference[spec.request_id].finish_reason):
+            assert got[spec.request_id].output_token_ids == reference[spec.request_id].output_token_ids
