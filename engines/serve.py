@@ -58,7 +58,10 @@ class EngineProcess:
 
     def _health(self) -> HealthReply:
         if self.engine is not None and self.state == STATE_READY:
-            return self.engine.health(self.state)
+            try:  # read from the IO thread while the engine steps: never let it take the thread down
+                return self.engine.health(self.state)
+            except Exception as exc:
+                return HealthReply(self.state, detail=f"engine statistics unavailable: {exc}")
         return HealthReply(self.state, detail=self.detail)
 
     def run(self) -> int:

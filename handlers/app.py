@@ -20,6 +20,7 @@ from handlers.engine_client import EngineClient
 from handlers.errors import HttpError, bad_request
 from handlers.formatters import JSONLINES, SSE, collect, response_body, stream_lines
 from handlers.generation import ClientGone, Generation, client_gone
+from handlers.metrics import render as render_metrics
 from handlers.schemas import GenerationRequest, parse_body, parse_request
 from handlers.tokenizer import TextTokenizer
 
@@ -119,6 +120,14 @@ def build_app(service: Service) -> Flask:
         if reply.detail:
             body["detail"] = reply.detail
         return _json(body, 200 if service.engine_ready else 503)
+
+    @app.get("/metrics")
+    def metrics():
+        reply = service.client.health(PING_TIMEOUT_S)
+        if reply is None:
+            raise HttpError(503, "the engine is not responding")
+        return Response(render_metrics(reply, service.config.scheduler.engine_kind),
+                        mimetype="text/plain; version=0.0.4")
 
     @app.post("/invocations")
     @app.post("/predictions/<model_name>")

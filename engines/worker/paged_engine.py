@@ -44,15 +44,16 @@ class PagedEngine(EngineLoop):
                  "on" if sched.enable_prefix_caching else "off", sched.max_num_seqs, sched.max_num_batched_tokens)
 
     def health(self, state: str) -> HealthReply:
-        used = self.blocks.num_blocks - self.blocks.num_free_blocks if hasattr(self, "blocks") else 0
+        used = self.blocks.num_blocks - self.blocks.num_free_blocks
         return HealthReply(state, num_waiting=self.num_waiting, num_running=self.scheduler.num_running,
                            num_batches=self.num_steps, num_kv_slots=used * self.config.scheduler.kv_block_size,
                            metrics=self.metrics())
 
     def metrics(self) -> dict[str, float]:
         bm, sched = self.blocks, self.scheduler
-        stored = sum(r.num_computed_tokens for r in sched.running)
-        allocated = sum(len(r.block_ids) for r in sched.running) * bm.block_size
+        running = list(sched.running)
+        stored = sum(r.num_computed_tokens for r in running)
+        allocated = sum(len(r.block_ids) for r in running) * bm.block_size
         return {"kv_cache_usage": bm.usage, "kv_blocks_total": bm.num_blocks, "kv_blocks_free": bm.num_free_blocks,
                 "kv_slots_allocated": allocated, "kv_slots_unused": allocated - stored,
                 "prefix_cache_hit_rate": bm.prefix_hit_rate, "prefix_cache_hit_tokens": bm.num_prefix_hit_tokens,

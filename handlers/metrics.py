@@ -1,0 +1,48 @@
+"""`GET /metrics`: the engine's gauges and counters in Prometheus text format."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from engines.protocol import HealthReply
+
+# engine metric name -> (Prometheus name, help, is a counter)
+ENGINE_METRICS = {
+    "kv_cache_usage": ("lmi_kv_cache_usage_ratio", "fraction of KV cache blocks in use", False),
+    "kv_blocks_total": ("lmi_kv_cache_blocks", "KV cache blocks", False),
+    "kv_blocks_free": ("lmi_kv_cache_free_blocks", "free KV cache blocks", False),
+    "kv_slots_allocated": ("lmi_kv_slots_allocated", "KV token slots held by running requests", False),
+    "kv_slots_unused": ("lmi_kv_slots_unused", "allocated KV token slots not holding a token", False),
+    "prefix_cache_hit_rate": ("lmi_prefix_cache_hit_rate", "prompt tokens served from the prefix cache", False),
+    "prefix_cache_hit_tokens": ("lmi_prefix_cache_hit_tokens", "prompt tokens found in the prefix cache", True),
+    "prefix_cache_query_tokens": ("lmi_prefix_cache_query_tokens", "prompt tokens looked up", True),
+    "preemptions": ("lmi_preemptions", "requests preempted (recomputed later)", True),
+}
+
+
+class _EngineCollector:
+    def __init__(self, reply: HealthReply, engine_kind: str):
+        self.reply = reply
+        self.engine_kind = engine_kind
+
+    def collect(self):
+        r = self.reply
+        up = GaugeMetricFamily("lmi_engine_ready", "1 when the engine is ready", labels=["engine", "state"])
+        up.add_metric([self.engine_kind, r.state], 1.0 if r.state == "ready" else 0.0)
+        yield up
+        yield GaugeMetricFamily("lmi_requests_waiting", "requests waiting for admission", value=r.num_waiting)
+        yield GaugeMetricFamily("lmi_requests_running", "requests in the running batch", value=r.num_running)
+        yield CounterMetricFamily("lmi_engine_steps", "engine steps (dynamic: batches)", value=r.num_batches)
+        yield GaugeMetricFamily("lmi_kv_slots_in_use", "KV token slots held", value=r.num_kv_slots)
+        for key, value in r.metrics.items():
+            if key in ENGINE_METRICS:
+                name, doc, is_counter = ENGINE_METRICS[key]
+                family = CounterMetricFamily if is_counter else GaugeMetricFamily
+                yield family(name, doc, value=value)
+
+
+def render(reply: HealthReply, engine_kind: str) -> bytes:
+    registry = CollectorRegistry()
+    registry.register(_EngineCollector(reply, engine_kind))
+    return generate_latest(registry)

@@ -1,0 +1,104 @@
+"""End to end: the paged engine behind the real server — chunked prefill, preemption, prefix caching."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import re
+import time
+
+import pytest
+import requests
+
+from container.model_maker import corpus_lines
+from tests.support import Server
+from tests.test_server_rolling import hf_oracle, ids_of, wait_idle
+
+BLOCK = 16
+PROPERTIES = f"""
+engine=Python
+option.rolling_batch=lmi-dist
+option.max_rolling_batch_size=8
+option.max_rolling_batch_prefill_tokens=48
+option.kv_block_size={BLOCK}
+option.enable_prefix_caching=true
+option.dtype=fp32
+# the tiny model keeps 512 bytes of K/V per token: 300 KiB is 37 blocks, small enough to preempt
+option.kv_cache_memory=300KiB
+"""
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    srv = Server(tmp_path_factory.mktemp("paged"), PROPERTIES, tiny_model)
+    srv.wait_ready()
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_model):
+    return hf_oracle(tiny_model)
+
+
+def metrics(server) -> dict[str, float]:
+    text = requests.get(server.url + "/metrics", timeout=5).text
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(lmi_[a-z_]+)(?:\{[^}]*\})? ([0-9.e+-]+)$",
+                                                              text, re.M)}
+
+
+# several prompts longer than the 48-token step budget: they are prefilled in chunks
+PROMPTS = [" ".join(corpus_lines()[i:i + 1 + i % 4])[: 20 + 11 * i] for i in range(20)]
+MAX_NEW = [5 + 3 * i for i in range(20)]
+
+
+def test_log_reports_the_kv_cache_size(server):
+    assert re.search(r"paged KV cache: 37 blocks of 16 tokens = 592 tokens", server.log())
+
+
+def test_greedy_under_concurrency_with_chunking_and_preemption_equals_hf(server, hf):
+    def send(i):
+        time.sleep(0.01 * i)
+        return server.post({"inputs": PROMPTS[i], "parameters": {"max_new_tokens": MAX_NEW[i], "details": True}})
+
+    with concurrent.futures.ThreadPoolExecutor(20) as pool:
+        bodies = [r.json() for r in pool.map(send, range(20))]
+    for i, body in enumerate(bodies):
+        assert ids_of(body) == hf(PROMPTS[i], MAX_NEW[i]), i
+    m = metrics(server)
+    assert m["lmi_preemptions_total"] > 0  # the cache was small enough to force preemption
+    wait_idle(server)
+    m = metrics(server)
+    assert m["lmi_kv_cache_free_blocks"] == m["lmi_kv_cache_blocks"] == 37  # every block free again
+    assert m["lmi_kv_slots_in_use"] == 0
+
+
+def test_a_repeated_prompt_hits_the_prefix_cache_in_whole_blocks(server, hf):
+    prompt = " ".join(corpus_lines()[30:33])  # ~90 tokens: 5 full blocks and a partial one
+    first = server.post({"inputs": prompt, "parameters": {"max_new_tokens": 4, "details": True}}).json()
+    before = metrics(server)
+    second = server.post({"inputs": prompt, "parameters": {"max_new_tokens": 4, "details": True}}).json()
+    after = metrics(server)
+    assert ids_of(first) == ids_of(second) == hf(prompt, 4)
+    hit = after["lmi_prefix_cache_hit_tokens_total"] - before["lmi_prefix_cache_hit_tokens_total"]
+    assert hit > 0 and hit % BLOCK == 0
+
+
+def test_streaming_and_seeded_sampling(server):
+    sampled = {"inputs": "Once upon a time", "parameters": {"do_sample": True, "seed": 5, "temperature": 1.2,
+                                                            "max_new_tokens": 20, "details": True}}
+    alone = ids_of(server.post(sampled).json())
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        noise = [pool.submit(server.post, {"inputs": p, "parameters": {"max_new_tokens": 30}}) for p in PROMPTS[:5]]
+        busy = pool.submit(server.post, sampled)
+        assert ids_of(busy.result().json()) == alone
+        [f.result() for f in noise]
+    resp = requests.post(server.url + "/invocations", json=dict(sampled, stream=True), stream=True, timeout=60)
+    lines = [json.loads(x) for x in resp.iter_lines() if x]
+    assert [x["token"]["id"] for x in lines] == alone
+
+
+def test_a_request_larger_than_the_whole_cache_is_refused_with_507(server):
+    resp = server.post({"inputs": "The river", "parameters": {"max_new_tokens": 900}})
+    assert resp.status_code == 507 and "cannot be served" in resp.json()["error"]
+    assert requests.get(server.url + "/ping").status_code == 200
