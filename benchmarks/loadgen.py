@@ -52,10 +52,15 @@ class RunResult:
         tpot = sorted((r.latency - r.ttft) / max(r.num_tokens - 1, 1) for r in self.results)
         running = [s["running"] for s in self.ping_samples] or [0]
         slots = [s.get("kv_slots", 0) for s in self.ping_samples] or [0]
+        kv = [s["metrics"] for s in self.ping_samples if s.get("metrics", {}).get("kv_slots_allocated")]
+        # steady state: the samples taken while the batch was at least half its peak size
+        steady = [m for m in kv if m["running"] >= max(running) / 2]
+        unused = statistics.median(m["kv_slots_unused"] / m["kv_slots_allocated"] for m in steady) if steady else 0.0
         return {"throughput": tokens / self.wall, "latency_p50": _pct(lat, 50), "latency_p90": _pct(lat, 90),
                 "ttft_p50": _pct(ttft, 50), "ttft_p90": _pct(ttft, 90), "tpot_p50": _pct(tpot, 50),
                 "max_running": max(running), "mean_running": statistics.fmean(running),
-                "max_kv_slots": max(slots), "errors": self.errors, "wall": self.wall, "tokens": tokens}
+                "max_kv_slots": max(slots), "kv_unused_fraction": unused, "errors": self.errors, "wall": self.wall,
+                "tokens": tokens}
 
 
 def _pct(values: list[float], q: int) -> float:
@@ -91,10 +96,10 @@ def send(url: str, body: dict, stream: bool) -> RequestResult:
 
 
 def run_load(server: BenchServer, bodies: list[dict], concurrency: int, rate: float | None,
-             seed: int) -> tuple[float, list[RequestResult], int, list[dict]]:
+             seed: int, stream: bool = True) -> tuple[float, list[RequestResult], int, list[dict]]:
     """Closed loop with `concurrency` clients, or Poisson arrivals at `rate` requests/s."""
     url = server.url + "/invocations"
-    stream = server.streams
+    stream = server.streams and stream
     samples: list[dict] = []
     stop = threading.Event()
 
@@ -133,7 +138,8 @@ def run_load(server: BenchServer, bodies: list[dict], concurrency: int, rate: fl
 
 COLUMNS = [("throughput", "tok/s", 1), ("latency_p50", "lat p50 s", 1), ("latency_p90", "lat p90 s", 1),
            ("ttft_p50", "ttft p50 s", 1), ("ttft_p90", "ttft p90 s", 1), ("tpot_p50", "tpot ms", 1000),
-           ("max_running", "max seqs", 1), ("errors", "errors", 1)]
+           ("max_running", "max seqs", 1), ("mean_running", "mean seqs", 1), ("kv_unused_fraction", "kv unused", 1),
+           ("errors", "errors", 1)]
 
 
 def medians(runs: list[RunResult]) -> dict[tuple[str, str], dict]:
@@ -192,6 +198,8 @@ def main(argv=None) -> int:
     p.add_argument("--kv-cache-memory", default="1GiB")
     p.add_argument("--set", action="append", default=[], help="extra properties, e.g. rolling:option.x=1")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-stream", action="store_true",
+                   help="plain JSON responses for every engine (TTFT then equals the latency)")
     p.add_argument("--out", default="benchmarks/results/loadgen.json")
     args = p.parse_args(argv)
     configs, workloads = args.configs.split(","), args.workloads.split(",")
@@ -206,7 +214,7 @@ def main(argv=None) -> int:
                 bodies = build_requests(w, args.model_dir, args.requests, args.seed + rnd)
                 for c in configs:
                     wall, results, errors, samples = run_load(servers[c], bodies, args.concurrency, args.rate,
-                                                              args.seed + rnd)
+                                                              args.seed + rnd, stream=not args.no_stream)
                     runs.append(RunResult(c, w, rnd, wall, results, samples, errors))
                     s = runs[-1].summary()
                     print(f"round {rnd} {w:<8} {c:<8} {s['throughput']:8.1f} tok/s  p90 {s['latency_p90']:.2f} s  "

@@ -13,7 +13,9 @@ WORKLOADS = {
     "32x128": (32, 128),  # the Falcon-40B study's first workload
     "256x32": (256, 32),  # and its second
     "mixed": (None, None),  # prompts 16..256 tokens, max_new_tokens 8..256
+    "prefix512": (544, 32),  # one shared 512-token prefix + a 32-token suffix of its own
 }
+SHARED_PREFIX = 512
 
 
 def prompt_of_length(tok: TextTokenizer, corpus_ids: list[int], n: int, rng: random.Random) -> str:
@@ -34,10 +36,13 @@ def build_requests(workload: str, model_dir: str, count: int, seed: int) -> list
     corpus_ids = tok.encode(" ".join(corpus_lines() * 8))[1:]
     rng = random.Random(seed)
     prompt_len, new_tokens = WORKLOADS[workload]
+    prefix = prompt_of_length(tok, corpus_ids, SHARED_PREFIX, random.Random(12345)) if workload == "prefix512" else ""
     bodies = []
     for _ in range(count):
-        n_in = prompt_len or rng.randint(16, 256)
         n_out = new_tokens or rng.randint(8, 256)
-        bodies.append({"inputs": prompt_of_length(tok, corpus_ids, n_in, rng),
-                       "parameters": {"max_new_tokens": n_out, "ignore_eos": True, "details": True}})
+        if prefix:
+            text = prefix + " " + prompt_of_length(tok, corpus_ids, prompt_len - SHARED_PREFIX, rng)
+        else:
+            text = prompt_of_length(tok, corpus_ids, prompt_len or rng.randint(16, 256), rng)
+        bodies.append({"inputs": text, "parameters": {"max_new_tokens": n_out, "ignore_eos": True, "details": True}})
     return bodies

@@ -23,12 +23,13 @@ import tempfile
 import time
 
 from engines.config import LmiConfig
-from engines.protocol import STATE_DEAD, STATE_READY, engine_socket_path
+from engines.protocol import STATE_DEAD, STATE_READY, engine_dead_path, engine_socket_path
 
 log = logging.getLogger("container.launcher")
 
 POLL_S = 0.2
 STOP_GRACE_S = 10.0
+DEAD_LINGER_S = 1.5  # after the engine died: /ping says 503 and in-flight requests get 424, then exit
 
 
 def engine_command(config: LmiConfig, run_dir: str) -> list[str]:
@@ -89,7 +90,9 @@ class Launcher:
             if self._stopping:
                 return self._drain(engine, http)
             if engine.poll() is not None:
-                log.error("the engine exited with code %s: stopping the server", engine.returncode)
+                reason = f"the engine exited with code {engine.returncode}"
+                log.error("%s: stopping the server", reason)
+                self._mark_dead(reason)
                 return engine.returncode or 1
             if http.poll() is not None:
                 log.error("gunicorn exited with code %s: stopping the engine", http.returncode)
@@ -117,6 +120,12 @@ class Launcher:
             log.error("the engine was not ready within option.model_loading_timeout=%.0f s", limit)
             return None
         return False
+
+    def _mark_dead(self, reason: str) -> None:
+        """Tell the HTTP workers (503 on /ping, 424 for requests in flight) before they go down."""
+        with open(engine_dead_path(self.run_dir), "w") as f:
+            f.write(reason)
+        time.sleep(DEAD_LINGER_S)
 
     def _drain(self, engine: subprocess.Popen, http: subprocess.Popen) -> int:
         grace = self.config.scheduler.predict_timeout_s + STOP_GRACE_S

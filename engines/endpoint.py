@@ -65,6 +65,7 @@ class EngineEndpoint:
                 self._drain_requests()
             if self._pull in events:
                 self._drain_outputs()
+        self._drain_outputs()  # what the engine published last (errors before an exit) still goes out
         self._router.close()
         self._pull.close()
 

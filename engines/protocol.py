@@ -89,3 +89,8 @@ def decode_from_engine(data: bytes) -> FromEngine:
 
 def engine_socket_path(run_dir: str) -> str:
     return f"ipc://{run_dir}/engine.sock"
+
+
+def engine_dead_path(run_dir: str) -> str:
+    """The launcher writes why the engine died here; the HTTP workers fail requests when it exists."""
+    return f"{run_dir}/engine.dead"

@@ -14,14 +14,15 @@ import signal
 import sys
 import threading
 
-from engines.config import ENGINE_DYNAMIC, ENGINE_PAGED, ENGINE_ROLLING, LmiConfig
+from engines.config import ENGINE_DYNAMIC, ENGINE_PAGED, ENGINE_ROLLING, LmiConfig, model_max_len
+from engines.dist import Communicator, SingleProcess, make_communicator, rank_info
 from engines.endpoint import EngineEndpoint
 from engines.protocol import STATE_DEAD, STATE_LOADING, STATE_READY, HealthReply, engine_socket_path
 
 log = logging.getLogger("engines.serve")
 
 
-def build_engine(config: LmiConfig, publish):
+def build_engine(config: LmiConfig, publish, comm: Communicator):
     kind = config.scheduler.engine_kind
     if kind == ENGINE_DYNAMIC:
         from engines.dynamic.batcher import DynamicEngine
@@ -30,17 +31,39 @@ def build_engine(config: LmiConfig, publish):
     if kind == ENGINE_ROLLING:
         from engines.worker.rolling_engine import RollingEngine
 
-        return RollingEngine(config, publish)
+        return RollingEngine(config, publish, comm)
     if kind == ENGINE_PAGED:
         from engines.worker.paged_engine import PagedEngine
 
-        return PagedEngine(config, publish)
+        return PagedEngine(config, publish, comm)
     raise ValueError(f"unknown engine kind {kind!r}")
 
 
+def run_shard(config: LmiConfig, comm: Communicator) -> int:
+    """Ranks > 0: load this rank's shard, then run whatever rank 0 runs, step by step."""
+    from engines.worker.mirror import serve_steps
+    from engines.worker.model_runner import ModelRunner
+
+    runner = ModelRunner(config.model, model_max_len(config.model.local_dir, config.model.max_model_len), comm)
+    runner.load()
+    if config.scheduler.engine_kind == ENGINE_PAGED:
+        from engines.worker.paged_runner import PagedRunner
+
+        target = PagedRunner(runner)
+    else:
+        from engines.worker.padded_batch import PaddedBatch
+
+        target = PaddedBatch(runner)
+    log.info("rank %d ready", comm.rank)
+    serve_steps(target, comm)
+    log.info("rank %d stopping", comm.rank)
+    return 0
+
+
 class EngineProcess:
-    def __init__(self, run_dir: str):
-        self.config = LmiConfig.read(os.path.join(run_dir, "config.json"))
+    def __init__(self, config: LmiConfig, run_dir: str, comm: Communicator):
+        self.config = config
+        self.comm = comm
         self.state = STATE_LOADING
         self.detail = ""
         self.stop = threading.Event()
@@ -67,7 +90,7 @@ class EngineProcess:
     def run(self) -> int:
         self.endpoint.start()
         try:
-            engine = build_engine(self.config, self.endpoint.publish)
+            engine = build_engine(self.config, self.endpoint.publish, self.comm)
             engine.load()
         except Exception as exc:
             log.exception("engine failed to load")
@@ -82,6 +105,8 @@ class EngineProcess:
         try:
             engine.run(self.stop)
         finally:
+            if hasattr(engine, "stop_ranks"):
+                engine.stop_ranks()
             self.endpoint.close()
         return 0
 
@@ -90,11 +115,27 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engines.serve")
     parser.add_argument("--run-dir", required=True)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
-    proc = EngineProcess(args.run_dir)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: proc.stop.set())
+    info = rank_info(os.environ)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s engine[{info.rank}] %(levelname)s %(name)s: %(message)s")
+    config = LmiConfig.read(os.path.join(args.run_dir, "config.json"))
+    if info.world_size > 1:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.world_size))  # cores shared by the ranks
+    comm = make_communicator(info) if info.world_size > 1 else SingleProcess()
+    if info.world_size > 1:
+        # the default action, not a Python handler: a rank stuck in a collective with a dead peer
+        # never returns to the interpreter. The HTTP side has drained before the launcher signals
+        # the engine group, and mpirun signals the survivors when a rank dies.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_DFL)
+    if info.rank > 0:
+        return run_shard(config, comm)
+    proc = EngineProcess(config, args.run_dir, comm)
+    if info.world_size == 1:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: proc.stop.set())
     return proc.run()
 
 

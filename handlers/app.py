@@ -15,7 +15,7 @@ from flask import Flask, Response, g, request
 from werkzeug.exceptions import HTTPException
 
 from engines.config import ENGINE_DYNAMIC, LmiConfig, model_max_len
-from engines.protocol import STATE_READY, engine_socket_path
+from engines.protocol import STATE_READY, engine_dead_path, engine_socket_path
 from handlers.engine_client import EngineClient
 from handlers.errors import HttpError, bad_request
 from handlers.formatters import JSONLINES, SSE, collect, response_body, stream_lines
@@ -27,20 +27,32 @@ from handlers.tokenizer import TextTokenizer
 log = logging.getLogger("handlers.app")
 
 PING_TIMEOUT_S = 1.0
+PING_TRIES = 5
 
 
 class Service:
     """What the routes share in one worker process."""
 
-    def __init__(self, config: LmiConfig, client: EngineClient, tokenizer: TextTokenizer):
+    def __init__(self, config: LmiConfig, client: EngineClient, tokenizer: TextTokenizer,
+                 dead_path: str | None = None):
         self.config = config
+        self.dead_path = dead_path
         self.client = client
         self.tokenizer = tokenizer
         self.max_model_len = model_max_len(config.model.local_dir, config.model.max_model_len)
         self.is_dynamic = config.scheduler.engine_kind == ENGINE_DYNAMIC
         self.engine_ready = False
 
+    def engine_dead(self) -> str | None:
+        """Why the engine died, once the launcher has said so."""
+        if self.dead_path is None or not os.path.exists(self.dead_path):
+            return None
+        with open(self.dead_path, encoding="utf-8") as f:
+            return f.read().strip() or "the engine died"
+
     def require_ready(self) -> None:
+        if self.engine_dead():
+            raise HttpError(503, f"the model is not available: {self.engine_dead()}")
         if self.engine_ready:
             return
         reply = self.client.health(PING_TIMEOUT_S)
@@ -59,7 +71,7 @@ class Service:
                 raise bad_request(f"{where} has {len(ids)} tokens and max_new_tokens is "
                                   f"{req.sampling.max_new_tokens}: {total} exceeds the model's maximum "
                                   f"length of {self.max_model_len} tokens")
-        return [Generation(self.client, f"{request_id}-{i}", ids, text, req, self.tokenizer)
+        return [Generation(self.client, f"{request_id}-{i}", ids, text, req, self.tokenizer, self.engine_dead)
                 for i, (ids, text) in enumerate(zip(prompts, req.inputs))]
 
     def deadline(self) -> float:
@@ -68,7 +80,8 @@ class Service:
 
 def create_app(run_dir: str) -> Flask:
     config = LmiConfig.read(os.path.join(run_dir, "config.json"))
-    service = Service(config, EngineClient(engine_socket_path(run_dir)), TextTokenizer(config.model.local_dir))
+    service = Service(config, EngineClient(engine_socket_path(run_dir)), TextTokenizer(config.model.local_dir),
+                      engine_dead_path(run_dir))
     return build_app(service)
 
 
@@ -108,7 +121,15 @@ def build_app(service: Service) -> Flask:
     @app.get("/ping")
     @app.get("/health")
     def ping():
-        reply = service.client.health(PING_TIMEOUT_S)
+        reply = None
+        for _ in range(PING_TRIES):  # short waits, so that a death the launcher reports shows at once
+            dead = service.engine_dead()
+            if dead:
+                service.engine_ready = False
+                return _json({"status": "unhealthy", "engine": "dead", "detail": dead}, 503)
+            reply = service.client.health(PING_TIMEOUT_S / PING_TRIES)
+            if reply is not None:
+                break
         if reply is None:
             service.engine_ready = False
             return _json({"status": "unhealthy", "engine": "not responding"}, 503)
@@ -119,6 +140,8 @@ def build_app(service: Service) -> Flask:
                 "kv_slots": reply.num_kv_slots}
         if reply.detail:
             body["detail"] = reply.detail
+        if reply.metrics:
+            body["metrics"] = reply.metrics
         return _json(body, 200 if service.engine_ready else 503)
 
     @app.get("/metrics")

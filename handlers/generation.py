@@ -58,8 +58,10 @@ def client_gone(sock: socket.socket | None) -> bool:
 
 class Generation:
     def __init__(self, client: EngineClient, request_id: str, prompt_ids: list[int], input_text: str,
-                 req: GenerationRequest, tokenizer: TextTokenizer):
+                 req: GenerationRequest, tokenizer: TextTokenizer,
+                 engine_dead: Callable[[], str | None] = lambda: None):
         self.client = client
+        self._engine_dead = engine_dead
         self.request_id = request_id
         self.input_text = input_text
         self.req = req
@@ -105,6 +107,10 @@ class Generation:
             except queue.Empty:
                 if is_gone():
                     raise ClientGone() from None
+                dead = self._engine_dead()
+                if dead:
+                    self.finish_reason = "error"
+                    raise HttpError(424, f"the model failed during generation: {dead}") from None
                 if time.monotonic() > deadline:
                     raise HttpError(424, "the engine did not answer within option.predict_timeout") from None
         if out.error_code is not None:

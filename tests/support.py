@@ -75,3 +75,49 @@ class Server:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
+
+
+def running_server(tmp: Path, properties: str, model_dir: Path):
+    """A module fixture body: a ready server, stopped (and checked to exit 0) at the end."""
+    srv = Server(tmp, properties, model_dir)
+    srv.wait_ready()
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+def hf_oracle(model_dir):
+    """Greedy HF `generate` on the same model, cut after EOS: generate(prompt, max_new_tokens) -> ids."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def generate(prompt: str, max_new_tokens: int) -> list[int]:
+        enc = tok(prompt, return_tensors="pt")
+        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
+        ids = out[0, enc.input_ids.shape[1]:].tolist()
+        return ids[: ids.index(tok.eos_token_id) + 1] if tok.eos_token_id in ids else ids
+
+    generate.decode = lambda ids: tok.decode(ids, skip_special_tokens=True)
+    return generate
+
+
+def ids_of(body: dict) -> list[int]:
+    return [t["id"] for t in body["details"]["tokens"]]
+
+
+def ping(server: Server) -> dict:
+    return requests.get(server.url + "/ping", timeout=5).json()
+
+
+def wait_idle(server: Server, timeout: float = 10.0) -> dict:
+    """Wait until the engine has nothing running or waiting; its last /ping body."""
+    deadline = time.monotonic() + timeout
+    state = ping(server)
+    while time.monotonic() < deadline:
+        state = ping(server)
+        if state["running"] == 0 and state["waiting"] == 0:
+            return state
+        time.sleep(0.05)
+    raise AssertionError(f"engine still busy: {state}")

@@ -101,3 +101,12 @@ def test_docs_list_every_key_with_its_default(doc):
     for key in KEYS:
         default = "unset" if key.default is None else str(key.default)
         assert f"| `{key.name}` | {default} |" in text, key.name
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text()
+    blocks = readme.split("```bash\n")
+    commands = [b.split("\n```")[0].strip() for b in blocks[1:3]]
+    assert "lmi serve" in commands[0] and "pytest" in commands[1]
+    ci_lines = [line for line in (ROOT / ".ci/run").read_text().splitlines() if line and not line.startswith("#")]
+    assert commands[1] in ci_lines

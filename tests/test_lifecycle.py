@@ -111,11 +111,11 @@ def test_server_exits_non_zero_when_the_engine_dies(tiny_model, start_server):
     assert _alive(group) == []
 
 
-def test_engine_that_fails_to_load_stops_the_server(tmp_path, start_server):
+def test_engine_that_fails_to_load_stops_the_server(tiny_model, tmp_path, start_server):
     broken = tmp_path / "broken"
     broken.mkdir()
-    (broken / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "model_type": "llama"}')
-    (broken / "tokenizer.json").write_text("{}")
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):  # everything but the weights
+        shutil.copy(tiny_model / name, broken / name)
     server = start_server(SLOW_BATCH, broken, wait=False)
     assert server.proc.wait(timeout=60) != 0
     assert "engine failed to load" in server.log()

@@ -11,11 +11,9 @@ import re
 
 import pytest
 import requests
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from container.model_maker import corpus_lines
-from tests.support import Server
+from tests.support import Server, hf_oracle, ids_of, running_server
 
 MAX_REQUEST_SIZE = 100_000
 PROPERTIES = f"""
@@ -30,32 +28,15 @@ max_request_size={MAX_REQUEST_SIZE}
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
-    srv = Server(tmp_path_factory.mktemp("dyn"), PROPERTIES, tiny_model)
-    srv.wait_ready()
-    yield srv
-    assert srv.stop() == 0, srv.log()
+    yield from running_server(tmp_path_factory.mktemp("dyn"), PROPERTIES, tiny_model)
 
 
 @pytest.fixture(scope="module")
 def hf(tiny_model):
-    tok = AutoTokenizer.from_pretrained(tiny_model)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
-
-    def generate(prompt: str, max_new_tokens: int) -> list[int]:
-        enc = tok(prompt, return_tensors="pt")
-        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
-        ids = out[0, enc.input_ids.shape[1]:].tolist()
-        return ids[: ids.index(tok.eos_token_id) + 1] if tok.eos_token_id in ids else ids
-
-    generate.decode = lambda ids: tok.decode(ids, skip_special_tokens=True)
-    return generate
+    return hf_oracle(tiny_model)
 
 
 PROMPTS = [line[: 8 + 9 * i] for i, line in enumerate(corpus_lines()[:8])]
-
-
-def _ids(body: dict) -> list[int]:
-    return [t["id"] for t in body["details"]["tokens"]]
 
 
 def _batches(server: Server) -> int:
@@ -77,7 +58,7 @@ def test_greedy_single_input_equals_hf_generate(server, hf, prompt):
     assert resp.status_code == 200, resp.text
     (body,) = resp.json()  # dynamic batching answers a list, one object per input (DJL's shape)
     expected = hf(prompt, 24)
-    assert _ids(body) == expected
+    assert ids_of(body) == expected
     assert body["generated_text"] == "".join(t["text"] for t in body["details"]["tokens"])
     assert body["generated_text"] == hf.decode(expected)
     assert body["details"]["generated_tokens"] == len(expected)
@@ -89,7 +70,7 @@ def test_list_input_answers_each_prompt_in_order(server, hf):
     resp = server.post({"inputs": prompts, "parameters": {"max_new_tokens": 12, "details": True}})
     assert resp.status_code == 200, resp.text
     bodies = resp.json()
-    assert [_ids(b) for b in bodies] == [hf(p, 12) for p in prompts]
+    assert [ids_of(b) for b in bodies] == [hf(p, 12) for p in prompts]
     assert [b["details"]["inputs"] for b in bodies] == prompts
 
 
@@ -112,7 +93,7 @@ def test_four_concurrent_requests_run_as_one_batch(server, hf):
                                headers={"X-Request-Id": f"four-{i}"}) for i, p in enumerate(prompts)]
         bodies = [f.result().json()[0] for f in futures]
     assert _batches(server) == before + 1
-    assert [_ids(b) for b in bodies] == [hf(p, 10) for p in prompts]
+    assert [ids_of(b) for b in bodies] == [hf(p, 10) for p in prompts]
     batch_lines = [line for line in server.log().splitlines() if re.search(r"batch \d+: 4 prompts", line)]
     assert any(all(f"four-{i}-0" in line for i in range(4)) for line in batch_lines), batch_lines
 
@@ -124,8 +105,8 @@ def test_different_parameters_go_to_separate_batches(server, hf):
         b = pool.submit(server.post, {"inputs": PROMPTS[1], "parameters": {"max_new_tokens": 9, "details": True}})
         body_a, body_b = a.result().json()[0], b.result().json()[0]
     assert _batches(server) == before + 2
-    assert _ids(body_a) == hf(PROMPTS[0], 6)
-    assert _ids(body_b) == hf(PROMPTS[1], 9)
+    assert ids_of(body_a) == hf(PROMPTS[0], 6)
+    assert ids_of(body_b) == hf(PROMPTS[1], 9)
 
 
 def test_stop_sequence_trims_text_and_reports_it(server, hf):
@@ -186,7 +167,7 @@ def test_bad_input_gets_json_error_and_server_keeps_serving(server, body, status
 
 def test_still_serving_after_bad_inputs(server, hf):
     resp = server.post({"inputs": PROMPTS[4], "parameters": {"max_new_tokens": 8, "details": True}})
-    assert resp.status_code == 200 and _ids(resp.json()[0]) == hf(PROMPTS[4], 8)
+    assert resp.status_code == 200 and ids_of(resp.json()[0]) == hf(PROMPTS[4], 8)
 
 
 def test_unknown_route_and_method_are_json(server):

@@ -11,8 +11,7 @@ import pytest
 import requests
 
 from container.model_maker import corpus_lines
-from tests.support import Server
-from tests.test_server_rolling import hf_oracle, ids_of, wait_idle
+from tests.support import hf_oracle, ids_of, running_server, wait_idle
 
 BLOCK = 16
 PROPERTIES = f"""
@@ -30,10 +29,7 @@ option.kv_cache_memory=300KiB
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
-    srv = Server(tmp_path_factory.mktemp("paged"), PROPERTIES, tiny_model)
-    srv.wait_ready()
-    yield srv
-    assert srv.stop() == 0, srv.log()
+    yield from running_server(tmp_path_factory.mktemp("paged"), PROPERTIES, tiny_model)
 
 
 @pytest.fixture(scope="module")

@@ -9,11 +9,9 @@ import time
 
 import pytest
 import requests
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from container.model_maker import corpus_lines, make_model
-from tests.support import Server
+from tests.support import hf_oracle, ids_of, ping, running_server, wait_idle
 
 PROPERTIES = """
 engine=Python
@@ -25,48 +23,14 @@ option.kv_cache_memory=64MiB
 """
 
 
-def hf_oracle(model_dir):
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-    def generate(prompt: str, max_new_tokens: int) -> list[int]:
-        enc = tok(prompt, return_tensors="pt")
-        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
-        ids = out[0, enc.input_ids.shape[1]:].tolist()
-        return ids[: ids.index(tok.eos_token_id) + 1] if tok.eos_token_id in ids else ids
-
-    return generate
-
-
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
-    srv = Server(tmp_path_factory.mktemp("rolling"), PROPERTIES, tiny_model)
-    srv.wait_ready()
-    yield srv
-    assert srv.stop() == 0, srv.log()
+    yield from running_server(tmp_path_factory.mktemp("rolling"), PROPERTIES, tiny_model)
 
 
 @pytest.fixture(scope="module")
 def hf(tiny_model):
     return hf_oracle(tiny_model)
-
-
-def ping(server) -> dict:
-    return requests.get(server.url + "/ping", timeout=5).json()
-
-
-def ids_of(body: dict) -> list[int]:
-    return [t["id"] for t in body["details"]["tokens"]]
-
-
-def wait_idle(server, timeout=10.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        state = ping(server)
-        if state["running"] == 0 and state["waiting"] == 0:
-            return state
-        time.sleep(0.05)
-    raise AssertionError(f"engine still busy: {state}")
 
 
 PROMPTS = [line[: 4 + 6 * (i % 10)] for i, line in enumerate(corpus_lines()[:20])]

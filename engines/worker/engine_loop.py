@@ -10,6 +10,7 @@ import logging
 import os
 import queue
 import threading
+import time
 
 import torch
 
@@ -22,11 +23,13 @@ DEFAULT_CPU_KV_FRACTION = "0.25"  # of available RAM, when option.kv_cache_memor
 
 
 class EngineLoop:
-    def __init__(self, config: LmiConfig, publish):
+    def __init__(self, config: LmiConfig, publish, comm):
         self.config = config
+        self.comm = comm
         self._publish = publish
         self.inbox: "queue.SimpleQueue[Add | Abort]" = queue.SimpleQueue()
         self.num_steps = 0
+        self._step_started: float | None = None
 
     # -- what each engine provides ----------------------------------------------------------------
     @property
@@ -50,10 +53,25 @@ class EngineLoop:
         self.inbox.put(msg)
 
     def run(self, stop: threading.Event) -> None:
+        watchdog = threading.Thread(target=self._watch, args=(stop,), name="step-watchdog", daemon=True)
+        watchdog.start()
         while not stop.is_set():
             self._take_messages(block=not self.has_work())
             if self.has_work():
+                self._step_started = time.monotonic()
                 self.step()
+                self._step_started = None
+
+    def _watch(self, stop: threading.Event) -> None:
+        """A step stuck beyond option.predict_timeout (a hung rank, a wedged device) ends the process:
+        the launcher then fails the requests in flight and exits, and SageMaker replaces the container."""
+        limit = self.config.scheduler.predict_timeout_s
+        while not stop.wait(0.5):
+            started = self._step_started
+            if started is not None and time.monotonic() - started > limit:
+                log.error("step %d exceeded option.predict_timeout=%.0f s: exiting", self.num_steps, limit)
+                logging.shutdown()
+                os._exit(4)
 
     def _take_messages(self, block: bool) -> None:
         try:
@@ -88,15 +106,18 @@ class EngineLoop:
         what = "out of memory" if oom else "the model failed during generation"
         self._publish([Output(rid, [], finished=True, finish_reason=FINISH_ERROR, error_code=507 if oom else 424,
                               error=f"{what}: {exc}") for rid in request_ids])
+        if self.comm.world_size > 1:  # the ranks may be out of step now: the group must go down
+            raise SystemExit(f"step failed with tensor parallelism: {exc}")
 
 
-def kv_budget_bytes(sched: SchedulerConfig, device: torch.device) -> int:
-    """Memory for the KV cache: on CUDA what gpu_memory_utilization leaves after the weights; on CPU
-    option.kv_cache_memory (bytes, or a fraction of available RAM; default a quarter)."""
+def kv_budget_bytes(sched: SchedulerConfig, device: torch.device, num_ranks: int = 1) -> int:
+    """KV cache memory of one rank: on CUDA what gpu_memory_utilization leaves of its GPU after the
+    weights; on CPU option.kv_cache_memory (bytes, or a fraction of available RAM, default a
+    quarter) shared by the ranks, which all live in this machine's RAM."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         return max(int(total * sched.gpu_memory_utilization) - (total - free), 0)
-    return memory_bytes(sched.kv_cache_memory or DEFAULT_CPU_KV_FRACTION, available_ram())
+    return memory_bytes(sched.kv_cache_memory or DEFAULT_CPU_KV_FRACTION, available_ram()) // num_ranks
 
 
 def available_ram() -> int:

@@ -50,6 +50,7 @@ class ModelRunner:
         self.pad_token_id = hf.pad_token_id if hf.pad_token_id is not None else 0
         log.info("loaded %s (%s path, %s) in %.1f s", arch, "native" if self.is_native else "HF fallback",
                  self.dtype, time.perf_counter() - started)
+        self.comm.barrier()  # every rank holds its shard before anyone serves
 
     def _load_hf(self, hf) -> None:
         from transformers import AutoModelForCausalLM

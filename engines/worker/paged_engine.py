@@ -13,7 +13,9 @@ from engines.core.block_manager import BlockManager
 from engines.core.request import Request
 from engines.core.scheduler import Scheduler
 from engines.protocol import Add, HealthReply, Output
+from engines.dist import SingleProcess
 from engines.worker.engine_loop import EngineLoop, kv_budget_bytes
+from engines.worker.mirror import Mirrored
 from engines.worker.model_runner import ModelRunner
 from engines.worker.paged_runner import PagedRunner
 from engines.worker.sampler import Sampler
@@ -23,9 +25,9 @@ log = logging.getLogger(__name__)
 
 class PagedEngine(EngineLoop):
     def __init__(self, config: LmiConfig, publish, comm=None):
-        super().__init__(config, publish)
+        super().__init__(config, publish, comm or SingleProcess())
         self.max_model_len = model_max_len(config.model.local_dir, config.model.max_model_len)
-        self.runner = ModelRunner(config.model, self.max_model_len, comm)
+        self.runner = ModelRunner(config.model, self.max_model_len, self.comm)
         self.sampler = Sampler(self.runner.device)
         self.requests: dict[str, Request] = {}
         self._arrivals = 0
@@ -34,8 +36,9 @@ class PagedEngine(EngineLoop):
         self.runner.load()
         sched = self.config.scheduler
         block_bytes = sched.kv_block_size * self.runner.kv_bytes_per_token
-        num_blocks = max(kv_budget_bytes(sched, self.runner.device) // block_bytes, 1)
-        self.paged = PagedRunner(self.runner, num_blocks, sched.kv_block_size)
+        num_blocks = max(kv_budget_bytes(sched, self.runner.device, self.comm.world_size) // block_bytes, 1)
+        self.paged = Mirrored(PagedRunner(self.runner), self.comm)
+        self.paged.call("allocate", num_blocks, sched.kv_block_size)
         self.blocks = BlockManager(num_blocks, sched.kv_block_size, sched.enable_prefix_caching)
         self.scheduler = Scheduler(sched.max_num_seqs, sched.max_num_batched_tokens, self.blocks, self.max_model_len)
         log.info("paged KV cache: %d blocks of %d tokens = %d tokens, %d bytes; prefix caching %s; "
@@ -52,14 +55,19 @@ class PagedEngine(EngineLoop):
     def metrics(self) -> dict[str, float]:
         bm, sched = self.blocks, self.scheduler
         running = list(sched.running)
-        stored = sum(r.num_computed_tokens for r in running)
         allocated = sum(len(r.block_ids) for r in running) * bm.block_size
+        # a request's tokens fill its slots (the newest is written next step): the rest of its
+        # last block is what paging wastes
+        stored = sum(min(r.num_tokens, len(r.block_ids) * bm.block_size) for r in running)
         return {"kv_cache_usage": bm.usage, "kv_blocks_total": bm.num_blocks, "kv_blocks_free": bm.num_free_blocks,
                 "kv_slots_allocated": allocated, "kv_slots_unused": allocated - stored,
                 "prefix_cache_hit_rate": bm.prefix_hit_rate, "prefix_cache_hit_tokens": bm.num_prefix_hit_tokens,
                 "prefix_cache_query_tokens": bm.num_prefix_queries_tokens,
                 "preemptions": sched.num_preemptions, "running": sched.num_running,
                 "waiting": sched.num_waiting, "steps": self.num_steps}
+
+    def stop_ranks(self) -> None:
+        self.paged.stop()
 
     @property
     def num_waiting(self) -> int:
@@ -86,10 +94,12 @@ class PagedEngine(EngineLoop):
     def step(self) -> None:
         self.num_steps += 1
         plan = self.scheduler.schedule()
-        if not plan.total_num_scheduled_tokens:
+        if not plan.total_num_scheduled_tokens:  # nothing fits now: still hand over what finished
+            self.paged.call("apply_plan", plan)
+            self.scheduler.update(plan, {})
             return
         try:
-            rids, logits = self.paged.execute(plan)
+            rids, logits = self.paged.call("execute", plan)
             result = self.sampler.sample_requests(logits, [self.requests[r] for r in rids]) if rids else None
         except Exception as exc:
             victims = list(plan.num_scheduled_tokens)
@@ -99,8 +109,8 @@ class PagedEngine(EngineLoop):
             self.fail_step(victims, exc)
             return
         sampled = dict(zip(rids, result.token_ids)) if result else {}
-        for rid, token in sampled.items():
-            self.paged.append_token(rid, token)
+        if sampled:
+            self.paged.call("append_tokens", sampled)
         updated = self.scheduler.update(plan, sampled)
         index = {rid: i for i, rid in enumerate(rids)}
         outputs = []

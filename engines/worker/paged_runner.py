@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engines.core.scheduler import SchedulerOutput
 from engines.worker.model_runner import ModelRunner
 from engines.worker.paged_cache import PagedKVCache, SeqSlice, StepMetadata
 
@@ -24,17 +25,23 @@ class _SeqState:
 
 
 class PagedRunner:
-    def __init__(self, runner: ModelRunner, num_blocks: int, block_size: int):
+    """Every public method is a step operation (rank 0 mirrors it to the other ranks)."""
+
+    def __init__(self, runner: ModelRunner):
         if not runner.is_native:
             raise ValueError("the paged engine needs a natively implemented architecture (Llama, Mistral, Qwen2); "
                              "use option.rolling_batch=scheduler for others")
         self.runner = runner
-        self.block_size = block_size
-        self.cache = PagedKVCache(runner.num_layers, num_blocks, block_size, runner.num_kv_heads, runner.head_dim,
-                                  runner.dtype, runner.device)
+        self.cache: PagedKVCache | None = None
         self.states: dict[str, _SeqState] = {}
 
-    def apply_plan(self, plan) -> None:
+    def allocate(self, num_blocks: int, block_size: int) -> None:
+        """The KV cache (rank 0 sizes it and tells the others)."""
+        r = self.runner
+        self.block_size = block_size
+        self.cache = PagedKVCache(r.num_layers, num_blocks, block_size, r.num_kv_heads, r.head_dim, r.dtype, r.device)
+
+    def apply_plan(self, plan: SchedulerOutput) -> None:
         """Take in what changed: finished/preempted requests, new ones, new blocks."""
         for rid in list(plan.finished_ids) + list(plan.preempted_ids):
             self.states.pop(rid, None)
@@ -47,7 +54,7 @@ class PagedRunner:
             st.num_computed_tokens = cached.num_computed_tokens
 
     @torch.inference_mode()
-    def execute(self, plan) -> tuple[list[str], torch.Tensor | None]:
+    def execute(self, plan: SchedulerOutput) -> tuple[list[str], torch.Tensor | None]:
         """Run the step; → (ids of the requests that produce a token, their logits [n, V])."""
         self.apply_plan(plan)
         seqs: list[SeqSlice] = []
@@ -76,7 +83,9 @@ class PagedRunner:
             self.cache.meta = None
         return sampling_ids, logits
 
-    def append_token(self, request_id: str, token_id: int) -> None:
-        st = self.states.get(request_id)
-        if st is not None:
-            st.token_ids.append(token_id)
+    def append_tokens(self, tokens: dict[str, int]) -> None:
+        """The tokens rank 0 sampled this step (the next step computes from them)."""
+        for request_id, token_id in tokens.items():
+            st = self.states.get(request_id)
+            if st is not None:
+                st.token_ids.append(token_id)

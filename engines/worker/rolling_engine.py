@@ -18,8 +18,10 @@ from engines.core.admission import AdmissionLimits, admit, fits_alone
 from engines.core.request import Request, Status
 from engines.protocol import Add, HealthReply, Output
 from engines.worker.engine_loop import EngineLoop, kv_budget_bytes
+from engines.dist import SingleProcess
+from engines.worker.mirror import Mirrored
 from engines.worker.model_runner import ModelRunner
-from engines.worker.padded_cache import PaddedKVCache
+from engines.worker.padded_batch import PaddedBatch
 from engines.worker.sampler import Sampler
 
 log = logging.getLogger(__name__)
@@ -47,19 +49,19 @@ class StepOutput:
 
 class RollingEngine(EngineLoop):
     def __init__(self, config: LmiConfig, publish, comm=None):
-        super().__init__(config, publish)
+        super().__init__(config, publish, comm or SingleProcess())
         self.runner = ModelRunner(config.model, model_max_len(config.model.local_dir, config.model.max_model_len),
-                                  comm)
+                                  self.comm)
+        self.batch = Mirrored(PaddedBatch(self.runner), self.comm)  # rows in the order of self.running
         self.sampler = Sampler(self.runner.device)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
-        self.cache: PaddedKVCache | None = None
         self._arrivals = 0
         self.limits: AdmissionLimits | None = None
 
     def load(self) -> None:
         self.runner.load()
-        budget = kv_budget_bytes(self.config.scheduler, self.runner.device)
+        budget = kv_budget_bytes(self.config.scheduler, self.runner.device, self.comm.world_size)
         per_token = self.runner.kv_bytes_per_token
         sched = self.config.scheduler
         self.limits = AdmissionLimits(sched.max_num_seqs, sched.max_num_batched_tokens, budget // per_token)
@@ -68,9 +70,11 @@ class RollingEngine(EngineLoop):
                  sched.max_num_seqs, sched.max_num_batched_tokens)
 
     def health(self, state: str) -> HealthReply:
-        cache = self.cache
         return HealthReply(state, num_waiting=len(self.waiting), num_running=len(self.running),
-                           num_batches=self.num_steps, num_kv_slots=cache.num_tokens() if cache else 0)
+                           num_batches=self.num_steps, num_kv_slots=self.batch.target.num_kv_slots())
+
+    def stop_ranks(self) -> None:
+        self.batch.stop()
 
     @property
     def num_waiting(self) -> int:
@@ -105,13 +109,14 @@ class RollingEngine(EngineLoop):
             if new:
                 self._prefill(new, outputs)
             if any(not r.is_finished for r in self.running):
-                logits = self.runner.decode(self.cache, [r.output_token_ids[-1] for r in self.running])
+                logits = self.batch.call("decode", [r.output_token_ids[-1] for r in self.running])
                 self._sample(self.running, logits, outputs)
         except Exception as exc:
             victims = {r.request_id: r for r in self.running + new}
             for rid in victims:
                 self.sampler.remove(rid)
-            self.running, self.cache = [], None
+            self.running = []
+            self.batch.target.reset()
             self.fail_step(list(victims), exc)
             return
         self._retire()
@@ -121,16 +126,14 @@ class RollingEngine(EngineLoop):
         for req in new:
             req.status = Status.RUNNING
             self.sampler.add(req.request_id, req.sampling)
-        logits, cache = self.runner.prefill([r.prompt_token_ids for r in new])
+        logits = self.batch.call("prefill", [r.prompt_token_ids for r in new])
         self._sample(new, logits, outputs)
         keep = [i for i, r in enumerate(new) if not r.is_finished]
         for r in new:
             if r.is_finished:
                 self.sampler.remove(r.request_id)
-        if keep:
-            cache = cache if len(keep) == len(new) else cache.filter(keep)
-            self.cache = cache if self.cache is None else self.cache.concatenate(cache)
-            self.running += [new[i] for i in keep]
+        self.batch.call("merge", keep)
+        self.running += [new[i] for i in keep]
 
     def _sample(self, rows: list[Request], logits: torch.Tensor, outputs: dict[str, StepOutput]) -> None:
         result = self.sampler.sample_requests(logits, rows)
@@ -149,4 +152,4 @@ class RollingEngine(EngineLoop):
             if r.is_finished:
                 self.sampler.remove(r.request_id)
         self.running = [self.running[i] for i in keep]
-        self.cache = self.cache.filter(keep) if keep else None  # an empty batch holds no KV memory
+        self.batch.call("retire", keep)

@@ -1,0 +1,43 @@
+"""The running padded batch of one rank, as step operations that every rank can mirror."""
+
+from __future__ import annotations
+
+import torch
+
+from engines.worker.model_runner import ModelRunner
+from engines.worker.padded_cache import PaddedKVCache
+
+
+class PaddedBatch:
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self.running: PaddedKVCache | None = None
+        self._new: PaddedKVCache | None = None
+
+    def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
+        """A new batch from prompts, kept aside until `merge`; → last-token logits [n, V]."""
+        logits, self._new = self.runner.prefill(prompts)
+        return logits
+
+    def merge(self, keep: list[int]) -> None:
+        """Join rows `keep` of the prefilled batch to the running one (the others finished at once)."""
+        new, self._new = self._new, None
+        if not keep:
+            return
+        if len(keep) < new.batch_size:
+            new = new.filter(keep)
+        self.running = new if self.running is None else self.running.concatenate(new)
+
+    def decode(self, last_tokens: list[int]) -> torch.Tensor:
+        return self.runner.decode(self.running, last_tokens)
+
+    def retire(self, keep: list[int]) -> None:
+        """Keep only rows `keep`; an empty batch holds no KV memory."""
+        self.running = self.running.filter(keep) if keep else None
+
+    def reset(self) -> None:
+        self.running = self._new = None
+
+    def num_kv_slots(self) -> int:
+        running = self.running
+        return running.num_tokens() if running is not None else 0

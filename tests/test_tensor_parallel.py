@@ -1,0 +1,121 @@
+"""Tensor parallelism under real `mpirun`: TP=2 equals TP=1 token for token; a dead rank ends the server."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import threading
+import time
+
+import pytest
+import requests
+
+from container.model_maker import corpus_lines, make_model
+from engines.config import ENGINE_PAGED, ENGINE_ROLLING, LmiConfig, ModelConfig, SchedulerConfig
+from engines.protocol import Add
+from engines.sampling_params import SamplingParams
+from tests.test_lifecycle import _alive, _cmdline, _descendants
+from tests.support import hf_oracle, ids_of
+
+ENGINES = {"scheduler": ENGINE_ROLLING, "lmi-dist": ENGINE_PAGED}
+SAMPLED = SamplingParams(max_new_tokens=16, do_sample=True, temperature=1.3, top_k=50, seed=77)
+PROMPTS = [line[: 10 + 9 * i] for i, line in enumerate(corpus_lines()[40:46])]
+
+
+def properties(rolling_batch: str, tp: int = 2) -> str:
+    return (f"engine=MPI\noption.tensor_parallel_degree={tp}\noption.rolling_batch={rolling_batch}\n"
+            "option.dtype=fp32\noption.kv_cache_memory=32MiB\noption.max_rolling_batch_prefill_tokens=64\n")
+
+
+@pytest.fixture(scope="module", params=[4, 2, 1], ids=lambda n: f"{n}kv")
+def model(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp") / f"llama-{request.param}kv"
+    make_model(str(out), arch="llama", size="tiny", seed=10 + request.param,
+               overrides={"num_key_value_heads": request.param})
+    return out
+
+
+def single_rank_tokens(model_dir, kind: str, prompt: list[int], params: SamplingParams) -> list[int]:
+    """The same request through the same engine at TP=1, in this process."""
+    from engines.serve import build_engine
+    from engines.dist import SingleProcess
+
+    config = LmiConfig(model=ModelConfig(local_dir=str(model_dir), dtype="fp32"),
+                       scheduler=SchedulerConfig(engine_kind=kind, kv_cache_memory="32MiB"))
+    outputs = []
+    engine = build_engine(config, outputs.extend, SingleProcess())
+    engine.load()
+    stop = threading.Event()
+    loop = threading.Thread(target=engine.run, args=(stop,))
+    loop.start()
+    engine.submit(Add("r", prompt, params))
+    deadline = time.monotonic() + 60
+    while not (outputs and outputs[-1].finished) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    stop.set()
+    loop.join()
+    return [t for o in outputs for t in o.token_ids]
+
+
+@pytest.mark.parametrize("rolling_batch", list(ENGINES))
+def test_tp2_equals_tp1_token_for_token(model, rolling_batch, start_server):
+    server = start_server(properties(rolling_batch), model)
+    assert "rank 1 ready" in server.log()
+    oracle = hf_oracle(model)  # HF generate = our TP=1 output (tests/test_server_*.py)
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        bodies = list(pool.map(lambda p: server.post({"inputs": p, "parameters": {
+            "max_new_tokens": 20, "details": True}}).json(), PROMPTS))
+    for prompt, body in zip(PROMPTS, bodies):
+        assert ids_of(body) == oracle(prompt, 20)
+    from handlers.tokenizer import TextTokenizer
+
+    prompt = "Once upon a time"
+    sampled = server.post({"inputs": prompt, "parameters": {**{k: getattr(SAMPLED, k) for k in (
+        "max_new_tokens", "do_sample", "temperature", "top_k", "seed")}, "details": True}}).json()
+    expected = single_rank_tokens(model, ENGINES[rolling_batch], TextTokenizer(str(model)).encode(prompt), SAMPLED)
+    assert ids_of(sampled) == expected
+
+
+def _rank_pids(launcher_pid: int) -> dict[int, int]:
+    ranks = {}
+    for pid in _descendants(launcher_pid):
+        if "engines.serve" not in _cmdline(pid):
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        except OSError:
+            continue
+        if b"OMPI_COMM_WORLD_RANK" in env:
+            ranks[int(env[b"OMPI_COMM_WORLD_RANK"])] = pid
+    return ranks
+
+
+def test_killing_rank_1_turns_ping_503_and_stops_the_server(tiny_model, start_server):
+    server = start_server(properties("scheduler"), tiny_model)
+    group = _descendants(server.proc.pid)
+    ranks = _rank_pids(server.proc.pid)
+    assert set(ranks) == {0, 1}
+    # a request in flight when the rank dies fails with 424
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(server.post, {"inputs": "The", "parameters": {"max_new_tokens": 1000,
+                                                                            "ignore_eos": True}})
+        time.sleep(0.3)
+        os.kill(ranks[1], signal.SIGKILL)
+        killed = time.monotonic()
+        saw_503 = None
+        while time.monotonic() - killed < 2.0:
+            try:
+                if requests.get(server.url + "/ping", timeout=2).status_code == 503:
+                    saw_503 = time.monotonic() - killed
+                    break
+            except requests.ConnectionError:
+                break
+            time.sleep(0.05)
+        assert saw_503 is not None and saw_503 < 2.0
+        resp = pending.result(timeout=10)
+    assert resp.status_code == 424, resp.text
+    assert server.proc.wait(timeout=10) != 0
+    assert time.monotonic() - killed < 10
+    assert _alive(group) == [], [_cmdline(p) for p in _alive(group)]
