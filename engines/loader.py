@@ -1,7 +1,10 @@
 """Load HF safetensors checkpoints (one file, or sharded with an index) into our model code.
 
-Each rank reads only its slices (`safe_open(...).get_slice(name)[slices]` reads just those bytes),
-so a rank's peak memory is about its shard.
+Each rank reads only its slices, with positioned reads (`os.pread`) of exactly those bytes rather
+than a memory map, so the checkpoint's pages never count in the rank's memory: its peak is about
+its shard. A slice of rows is one read; a slice of columns is one read per row.
+
+    file: [u64 header size][JSON header: name -> dtype, shape, data_offsets][tensor bytes ...]
 """
 
 from __future__ import annotations
@@ -9,10 +12,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import struct
 import time
 
 import torch
-from safetensors import safe_open
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +44,74 @@ def checkpoint_files(model_dir: str) -> list[str]:
     raise FileNotFoundError(f"no safetensors checkpoint in {model_dir} (model.safetensors or an index)")
 
 
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+
+
+class SafetensorsFile:
+    """Slices of the tensors of one .safetensors file, read with pread."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._fd = os.open(path, os.O_RDONLY)
+        (size,) = struct.unpack("<Q", os.pread(self._fd, 8, 0))
+        header = json.loads(os.pread(self._fd, size, 8))
+        header.pop("__metadata__", None)
+        self._base = 8 + size
+        self.tensors = header  # name -> {"dtype", "shape", "data_offsets": [begin, end]}
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def shape(self, name: str) -> list[int]:
+        return list(self.tensors[name]["shape"])
+
+    def read(self, name: str, index: tuple) -> torch.Tensor:
+        """tensor[index] for index = (rows,) or (rows, cols) of slices (step 1)."""
+        meta = self.tensors[name]
+        dtype, shape = _DTYPES[meta["dtype"]], list(meta["shape"])
+        start = self._base + meta["data_offsets"][0]
+        if not shape:
+            return self._pread(start, dtype, [])
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        row_items = 1
+        for d in shape[1:]:
+            row_items *= d
+        r0, r1, _ = index[0].indices(shape[0])
+        cols = index[1] if len(index) > 1 else slice(None)
+        c0, c1, _ = cols.indices(shape[1]) if len(shape) > 1 else (0, 0, 1)
+        if len(shape) == 1 or (c0 == 0 and c1 == shape[1]):  # whole rows: one read
+            return self._pread(start + r0 * row_items * itemsize, dtype, [r1 - r0, *shape[1:]])
+        assert len(shape) == 2, "column slices of tensors with more than two dimensions"
+        out = torch.empty((r1 - r0, c1 - c0), dtype=dtype)
+        width = (c1 - c0) * itemsize
+        view = memoryview(out.view(torch.uint8).numpy()).cast("B")
+        for i, row in enumerate(range(r0, r1)):
+            got = os.preadv(self._fd, [view[i * width:(i + 1) * width]], start + (row * shape[1] + c0) * itemsize)
+            assert got == width, (name, row)
+        return out
+
+    def _pread(self, offset: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+        out = torch.empty(shape, dtype=dtype)
+        nbytes = out.numel() * out.element_size()
+        if nbytes:
+            view = memoryview(out.view(-1).view(torch.uint8).numpy()).cast("B")
+            done = 0
+            while done < nbytes:
+                got = os.preadv(self._fd, [view[done:]], offset + done)
+                if got <= 0:
+                    raise IOError(f"{self.path}: short read")
+                done += got
+        return out
+
+
 def build_model(cls, hf_config, comm, dtype: torch.dtype, device: torch.device, max_positions: int,
                 progress: bool = True):
     """Construct `cls` with empty weights in `dtype` on `device` and fill them from the checkpoint."""
@@ -57,19 +128,20 @@ def build_model(cls, hf_config, comm, dtype: torch.dtype, device: torch.device, 
     for p in model.parameters():
         p.data.fill_(float("nan"))  # anything the checkpoint does not fill shows up below
     files = checkpoint_files(hf_config._name_or_path)
-    names = []
-    for path in files:
-        with safe_open(path, framework="pt", device="cpu") as f:
-            names += [(path, k) for k in f.keys()]
+    checkpoints = [SafetensorsFile(path) for path in files]
+    names = [name for ckpt in checkpoints for name in ckpt.tensors]
     bar = tqdm(total=len(names), desc="loading weights", disable=not progress or comm.rank != 0, unit="tensor")
     unused = []
-    for path in files:
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                sl = f.get_slice(name)
-                if not model.load_weight(name, list(sl.get_shape()), lambda idx, sl=sl: sl[idx]):
+    try:
+        for ckpt in checkpoints:
+            for name in ckpt.tensors:
+                reader = lambda idx, ckpt=ckpt, name=name: ckpt.read(name, idx)  # noqa: E731
+                if not model.load_weight(name, ckpt.shape(name), reader):
                     unused.append(name)
                 bar.update(1)
+    finally:
+        for ckpt in checkpoints:
+            ckpt.close()
     bar.close()
     missing = [n for n, p in model.named_parameters() if torch.isnan(p).any()]
     if missing:

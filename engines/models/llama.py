@@ -1,0 +1,135 @@
+"""The Llama family (Llama, Mistral, Qwen2): one implementation, the differences are config.
+
+    embed → N × [RMSNorm → attention (+res) → RMSNorm → SwiGLU MLP (+res)] → RMSNorm → LM head
+Qwen2 adds biases to q/k/v. Weights load from HF checkpoint names, each rank taking its shard.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engines.dist import Communicator
+from engines.layers.attention import Attention, AttentionBackend
+from engines.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from engines.layers.linear import ColumnParallelLinear, RowParallelLinear, SliceReader
+from engines.layers.norm import RMSNorm
+from engines.layers.rotary import RotaryEmbedding
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, comm: Communicator):
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size], comm)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, comm)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, idx: int, cfg, rotary: RotaryEmbedding, comm: Communicator):
+        super().__init__()
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        is_qwen2 = cfg.model_type == "qwen2"
+        bias = bool(getattr(cfg, "attention_bias", False))
+        self.self_attn = Attention(idx, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                   head_dim, rotary, comm, qkv_bias=bias or is_qwen2, o_bias=bias and not is_qwen2)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, comm)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, positions, backend):
+        x = x + self.self_attn(self.input_layernorm(x), positions, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg, comm: Communicator, max_positions: int):
+        super().__init__()
+        _check_supported(cfg)
+        self.config = cfg
+        self.comm = comm
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        rope_theta = _rope_theta(cfg)
+        self.rotary = RotaryEmbedding(head_dim, max(max_positions, cfg.max_position_embeddings), rope_theta)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, comm)
+        self.layers = nn.ModuleList(DecoderLayer(i, cfg, self.rotary, comm)
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, comm)
+        self.num_kv_heads = self.layers[0].self_attn.num_kv_heads
+        self.head_dim = head_dim
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
+                logits_index: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids/positions: [B, T] → logits of each row's last position [B, V], or of the flattened
+        token indices `logits_index` [n] → [n, V] (the paged engine's one-row batches)."""
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, backend)
+        last = x[:, -1] if logits_index is None else x.reshape(-1, x.shape[-1])[logits_index]
+        return self.lm_head(self.norm(last)).float()
+
+    # -- loading ---------------------------------------------------------------------------------
+    def load_weight(self, name: str, shape: list[int], get: SliceReader) -> bool:
+        """Load one checkpoint tensor (HF name) into its shard; False for names we do not use."""
+        name = name.removeprefix("model.")
+        if name == "embed_tokens.weight":
+            self.embed_tokens.load_shard(get)
+            if getattr(self.config, "tie_word_embeddings", False):
+                self.lm_head.load_shard(get)
+            return True
+        if name == "lm_head.weight":
+            self.lm_head.load_shard(get)
+            return True
+        if name == "norm.weight":
+            self.norm.weight.data.copy_(get((slice(None),)))
+            return True
+        if not name.startswith("layers."):
+            return False
+        _, idx, rest = name.split(".", 2)
+        return _load_layer_weight(self.layers[int(idx)], rest, shape, get)
+
+
+_QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
+_GATE_UP = {"gate_proj": 0, "up_proj": 1}
+
+
+def _load_layer_weight(layer: DecoderLayer, rest: str, shape: list[int], get: SliceReader) -> bool:
+    module, which = rest.rsplit(".", 1)  # e.g. "self_attn.q_proj", "weight"
+    owner, _, proj = module.rpartition(".")
+    if owner == "self_attn" and proj in _QKV:
+        attn = layer.self_attn
+        part = _QKV[proj]
+        attn.qkv_proj.load_shard(part, shape[0], get, which, attn.kv_rows if part else None)
+    elif owner == "self_attn" and proj == "o_proj":
+        layer.self_attn.o_proj.load_shard(get, which)
+    elif owner == "mlp" and proj in _GATE_UP:
+        layer.mlp.gate_up_proj.load_shard(_GATE_UP[proj], shape[0], get, which)
+    elif owner == "mlp" and proj == "down_proj":
+        layer.mlp.down_proj.load_shard(get, which)
+    elif module in ("input_layernorm", "post_attention_layernorm"):
+        getattr(layer, module).weight.data.copy_(get((slice(None),)))
+    elif rest.endswith("rotary_emb.inv_freq"):
+        return False
+    else:
+        return False
+    return True
+
+
+def _rope_theta(cfg) -> float:
+    params = getattr(cfg, "rope_parameters", None) or {}
+    return float(params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+
+
+def _check_supported(cfg) -> None:
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ("default", None):
+        raise ValueError(f"rope scaling {kind!r} is not implemented in the native Llama path")
+    window = getattr(cfg, "sliding_window", None)
+    if window and getattr(cfg, "use_sliding_window", window is not None) and window < cfg.max_position_embeddings:
+        raise ValueError(f"sliding-window attention (window {window}) is not implemented in the native path")
