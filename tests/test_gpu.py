@@ -1,0 +1,49 @@
+"""CUDA paths: run wherever a GPU is available, skipped elsewhere (the CPU suite covers the logic)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engines.config import ModelConfig
+from engines.core.scheduler import NewRequestData, SchedulerOutput
+from engines.sampling_params import SamplingParams
+from engines.worker.model_runner import ModelRunner
+from engines.worker.paged_runner import PagedRunner
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+PROMPTS = [[1, 5, 6, 7, 8, 9], [1, 20, 21], [1] + list(range(100, 140))]
+
+
+def _runner(model_dir, device: str) -> ModelRunner:
+    runner = ModelRunner(ModelConfig(local_dir=str(model_dir), dtype="fp32"), 1024, device=torch.device(device))
+    runner.load()
+    return runner
+
+
+def test_padded_prefill_and_decode_on_cuda_match_cpu(tiny_model):
+    outs = {}
+    for device in ("cpu", "cuda"):
+        runner = _runner(tiny_model, device)
+        logits, cache = runner.prefill(PROMPTS)
+        step = runner.decode(cache, logits.argmax(-1).tolist())
+        outs[device] = (logits.cpu(), step.cpu())
+    assert torch.allclose(outs["cpu"][0], outs["cuda"][0], atol=1e-3)
+    assert torch.allclose(outs["cpu"][1], outs["cuda"][1], atol=1e-3)
+
+
+def test_paged_step_on_cuda_matches_cpu(tiny_model):
+    outs = {}
+    for device in ("cpu", "cuda"):
+        paged = PagedRunner(_runner(tiny_model, device))
+        paged.allocate(64, 16)
+        plan = SchedulerOutput()
+        for i, p in enumerate(PROMPTS):
+            plan.new_requests.append(NewRequestData(f"r{i}", p, len(p), [4 * i, 4 * i + 1, 4 * i + 2], 0,
+                                                    SamplingParams()))
+            plan.add(f"r{i}", len(p))
+        _, logits = paged.execute(plan)
+        outs[device] = logits.cpu()
+    assert torch.allclose(outs["cpu"], outs["cuda"], atol=1e-3)
+
