@@ -6,6 +6,7 @@ puts them there) and are taken between steps; the loop blocks on the inbox only 
 
 from __future__ import annotations
 
+import abc
 import logging
 import os
 import queue
@@ -22,7 +23,7 @@ log = logging.getLogger(__name__)
 DEFAULT_CPU_KV_FRACTION = "0.25"  # of available RAM, when option.kv_cache_memory is unset
 
 
-class EngineLoop:
+class EngineLoop(abc.ABC):
     def __init__(self, config: LmiConfig, publish, comm):
         self.config = config
         self.comm = comm
@@ -33,20 +34,25 @@ class EngineLoop:
 
     # -- what each engine provides ----------------------------------------------------------------
     @property
+    @abc.abstractmethod
     def num_waiting(self) -> int:
-        raise NotImplementedError
+        """Requests waiting for admission."""
 
+    @abc.abstractmethod
     def has_work(self) -> bool:
-        raise NotImplementedError
+        """Anything waiting or running."""
 
+    @abc.abstractmethod
     def add(self, msg: Add) -> None:
-        raise NotImplementedError
+        """Take a new request (the queue bound is checked already)."""
 
+    @abc.abstractmethod
     def abort(self, request_id: str) -> None:
-        raise NotImplementedError
+        """Drop a request wherever it is."""
 
+    @abc.abstractmethod
     def step(self) -> None:
-        raise NotImplementedError
+        """One engine iteration."""
 
     # -- shared -------------------------------------------------------------------------------------
     def submit(self, msg: Add | Abort) -> None:
