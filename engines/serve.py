@@ -105,8 +105,7 @@ class EngineProcess:
         try:
             engine.run(self.stop)
         finally:
-            if hasattr(engine, "stop_ranks"):
-                engine.stop_ranks()
+            engine.stop_ranks()
             self.endpoint.close()
         return 0
 

@@ -24,6 +24,14 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def hf(tiny_model):
+    """HF `generate` on the tiny model: the oracle every engine is checked against."""
+    from tests.support import hf_oracle
+
+    return hf_oracle(tiny_model)
+
+
+@pytest.fixture(scope="session")
 def moto_endpoint():
     """moto in server mode on 127.0.0.1: a real S3-compatible HTTP server for boto3."""
     port = free_port()

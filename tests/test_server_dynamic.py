@@ -13,7 +13,7 @@ import pytest
 import requests
 
 from container.model_maker import corpus_lines
-from tests.support import Server, hf_oracle, ids_of, running_server
+from tests.support import Server, ids_of, running_server
 
 MAX_REQUEST_SIZE = 100_000
 PROPERTIES = f"""
@@ -29,11 +29,6 @@ max_request_size={MAX_REQUEST_SIZE}
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
     yield from running_server(tmp_path_factory.mktemp("dyn"), PROPERTIES, tiny_model)
-
-
-@pytest.fixture(scope="module")
-def hf(tiny_model):
-    return hf_oracle(tiny_model)
 
 
 PROMPTS = [line[: 8 + 9 * i] for i, line in enumerate(corpus_lines()[:8])]

@@ -11,7 +11,7 @@ import pytest
 import requests
 
 from container.model_maker import corpus_lines
-from tests.support import hf_oracle, ids_of, running_server, wait_idle
+from tests.support import ids_of, running_server, wait_idle
 
 BLOCK = 16
 PROPERTIES = f"""
@@ -30,11 +30,6 @@ option.kv_cache_memory=300KiB
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
     yield from running_server(tmp_path_factory.mktemp("paged"), PROPERTIES, tiny_model)
-
-
-@pytest.fixture(scope="module")
-def hf(tiny_model):
-    return hf_oracle(tiny_model)
 
 
 def metrics(server) -> dict[str, float]:

@@ -28,11 +28,6 @@ def server(tiny_model, tmp_path_factory):
     yield from running_server(tmp_path_factory.mktemp("rolling"), PROPERTIES, tiny_model)
 
 
-@pytest.fixture(scope="module")
-def hf(tiny_model):
-    return hf_oracle(tiny_model)
-
-
 PROMPTS = [line[: 4 + 6 * (i % 10)] for i, line in enumerate(corpus_lines()[:20])]
 MAX_NEW = [4 + 5 * i for i in range(20)]
 
@@ -139,6 +134,7 @@ def test_top_n_tokens_lists_alternatives(server):
 
 
 def test_a_disconnected_stream_is_aborted_within_a_step(server):
+    wait_idle(server)  # nothing left over from earlier tests
     resp = requests.post(server.url + "/invocations", json={"inputs": "The", "stream": True, "parameters": {
         "max_new_tokens": 1000, "ignore_eos": True}}, stream=True, timeout=30)
     next(resp.iter_lines())
@@ -148,6 +144,7 @@ def test_a_disconnected_stream_is_aborted_within_a_step(server):
 
 
 def test_a_disconnected_plain_request_is_aborted(server):
+    wait_idle(server)
     body = json.dumps({"inputs": "The", "parameters": {"max_new_tokens": 1000, "ignore_eos": True}}).encode()
     sock = socket.create_connection(("127.0.0.1", server.port))
     sock.sendall(b"POST /invocations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"

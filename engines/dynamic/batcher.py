@@ -130,6 +130,9 @@ class DynamicEngine:
         return HealthReply(state, num_waiting=self.batcher.num_waiting, num_running=self._num_running,
                            num_batches=self._num_batches)
 
+    def stop_ranks(self) -> None:
+        """One process: nothing to stop."""
+
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set():
             batch = self.batcher.next_batch(timeout=0.2)
