@@ -219,7 +219,9 @@ def build(cfg: ResolvedConfig, *, local_dir: str, architecture: str | None,
     server = ServerConfig(port=port, max_request_size=cfg["max_request_size"], http_workers=cfg["http_workers"],
                           http_threads=cfg["http_threads"], output_formatter=cfg["option.output_formatter"],
                           default_max_new_tokens=cfg["option.max_new_tokens"],
-                          model_loading_timeout_s=float(cfg["option.model_loading_timeout"]))
+                          model_loading_timeout_s=float(cfg["option.model_loading_timeout"]),
+                          max_inputs_per_request=cfg["max_inputs_per_request"],
+                          max_input_chars=cfg["max_input_chars"], drain_timeout_s=float(cfg["drain_timeout"]))
     return LmiConfig(model=model, scheduler=scheduler,
                      parallel=ParallelConfig(use_mpi=use_mpi, tensor_parallel_degree=tp), server=server)
 

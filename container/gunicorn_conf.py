@@ -1,6 +1,6 @@
 """gunicorn settings shared by every launch (the launcher passes bind, workers and threads)."""
 
-worker_class = "gthread"
+worker_class = "handlers.http_worker.HealthFirstWorker"  # gthread with its own pool for /ping
 keepalive = 5
 timeout = 60  # heartbeat of a worker process, not a request limit (gthread serves requests in threads)
 accesslog = "-"

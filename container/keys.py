@@ -109,6 +109,10 @@ KEYS: tuple[Key, ...] = (
     Key("max_request_size", integer(1), 64 * 1024 * 1024, "largest request body in bytes; beyond it 413"),
     Key("http_workers", integer(1), 2, "gunicorn worker processes (thin clients of the one engine)"),
     Key("http_threads", integer(1), 32, "threads per gunicorn worker (concurrent requests per worker)"),
+    Key("max_inputs_per_request", integer(1), 256, "prompts one request may carry in \"inputs\"; beyond it 400"),
+    Key("max_input_chars", integer(1), 1_000_000, "characters one prompt may have (checked before tokenizing); beyond it 400"),
+    Key("drain_timeout", integer(0), 20,
+        "seconds in-flight requests may take to finish after SIGTERM; then they are aborted with 503"),
     Key("download_dir", text, None, "where s3:// models are cached (default ~/.cache/lmi-serve/download)"),
     # engine keys
     Key("option.model_id", text, None, "local dir, s3://bucket/prefix/ or hub id (default: the model dir)"),

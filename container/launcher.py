@@ -2,13 +2,17 @@
 
     launcher ──► engine      python -m engines.serve --run-dir D     (engine=MPI: under mpirun)
              └─► gunicorn    handlers.app:create_app(D), threaded workers
+    cannot start           → preflight (model files, tokenizer, weights, mpirun, port): one line, exit 2
     engine dies            → stop gunicorn, exit non-zero
     gunicorn dies          → stop the engine, exit non-zero
-    SIGTERM / SIGINT       → gunicorn drains (stops accepting, finishes in-flight requests),
-                             then the engine stops; exit 0
+    SIGTERM / SIGINT       → drain: the workers answer 503 to new requests (and /ping), requests in
+                             flight get drain_timeout seconds to finish and are then aborted with a
+                             503; once the engine is idle (or the time is up) gunicorn and the
+                             engine stop; exit 0. The default budget fits SageMaker's 30 s.
     not ready in time      → option.model_loading_timeout: stop both, exit non-zero
 
 Every child runs in its own session so that a whole group (mpirun and its ranks) can be signalled.
+When the server stops because something failed, the last log line says what, in one sentence.
 """
 
 from __future__ import annotations
@@ -22,8 +26,10 @@ import sys
 import tempfile
 import time
 
+from container.preflight import first_problem
 from engines.config import LmiConfig
-from engines.protocol import STATE_DEAD, STATE_READY, engine_dead_path, engine_socket_path
+from engines.protocol import (draining_path, engine_socket_path, read_failure, ready_path, write_atomically,
+                              write_failure)
 
 log = logging.getLogger("container.launcher")
 
@@ -45,7 +51,7 @@ def gunicorn_command(config: LmiConfig, run_dir: str, host: str) -> list[str]:
     server = config.server
     return [sys.executable, "-m", "gunicorn", "-c", conf, "--bind", f"{host}:{server.port}",
             "--workers", str(server.http_workers), "--threads", str(server.http_threads),
-            "--graceful-timeout", str(int(config.scheduler.predict_timeout_s)),
+            "--graceful-timeout", str(int(server.drain_timeout_s + STOP_GRACE_S)),
             f"handlers.app:create_app({run_dir!r})"]
 
 
@@ -56,8 +62,15 @@ class Launcher:
         self.env = dict(env if env is not None else os.environ, PYTHONUNBUFFERED="1")
         self.run_dir = tempfile.mkdtemp(prefix="lmi-run-")
         self._stopping = False
+        self.ready = False
+        self.failure: str | None = None  # why the server stopped, when something failed
 
     def run(self) -> int:
+        problem = first_problem(self.config, self.host, self.env)
+        if problem:
+            log.error("lmi-serve did not start: %s", problem)
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            return 2
         with open(os.path.join(self.run_dir, "config.json"), "wb") as f:
             f.write(self.config.to_json())
         signal.signal(signal.SIGTERM, self._on_signal)
@@ -70,6 +83,8 @@ class Launcher:
             for proc in (http, engine):
                 _stop(proc, signal.SIGTERM, STOP_GRACE_S)
             shutil.rmtree(self.run_dir, ignore_errors=True)
+            if self.failure:  # the last line of the log: after the children's own last words
+                log.error("lmi-serve %s: %s", "stopped" if self.ready else "did not start", self.failure)
 
     def _on_signal(self, signum, _frame) -> None:
         if not self._stopping:
@@ -81,55 +96,64 @@ class Launcher:
         return subprocess.Popen(cmd, env=self.env, start_new_session=True)
 
     def _supervise(self, engine: subprocess.Popen, http: subprocess.Popen) -> int:
-        from handlers.engine_client import EngineClient
-
-        probe = EngineClient(engine_socket_path(self.run_dir))
         started = time.monotonic()
-        ready = False
         while True:
             if self._stopping:
                 return self._drain(engine, http)
             if engine.poll() is not None:
-                reason = f"the engine exited with code {engine.returncode}"
-                log.error("%s: stopping the server", reason)
-                self._mark_dead(reason)
+                self.ready = self.ready or os.path.exists(ready_path(self.run_dir))
+                self.failure = read_failure(self.run_dir, "engine") or f"the engine exited with code {engine.returncode}"
+                log.error("%s: stopping the server", self.failure)
+                self._mark_dead(self.failure)
                 return engine.returncode or 1
             if http.poll() is not None:
-                log.error("gunicorn exited with code %s: stopping the engine", http.returncode)
+                self.failure = read_failure(self.run_dir, "http") or f"gunicorn exited with code {http.returncode}"
+                log.error("%s: stopping the engine", self.failure)
                 return http.returncode or 1
-            if not ready:
-                ready = self._check_loading(probe, started)
-                if ready is None:
+            if not self.ready:
+                self.ready = self._check_loading(started)
+                if self.failure:
                     return 1
             time.sleep(POLL_S)
 
-    def _check_loading(self, probe, started: float) -> bool | None:
-        reply = probe.health(timeout=POLL_S)
-        if reply is not None and reply.state == STATE_READY:
+    def _check_loading(self, started: float) -> bool:
+        if os.path.exists(ready_path(self.run_dir)):
             port = self.config.server.port
             log.info("engine ready after %.1f s; try:\n  curl -s http://localhost:%d/invocations "
                      "-H 'Content-Type: application/json' "
                      "-d '{\"inputs\": \"The river ran\", \"parameters\": {\"max_new_tokens\": 20}}'",
                      time.monotonic() - started, port)
             return True
-        if reply is not None and reply.state == STATE_DEAD:
-            log.error("%s", reply.detail or "the engine failed to load")
-            return None
         limit = self.config.server.model_loading_timeout_s
         if time.monotonic() - started > limit:
-            log.error("the engine was not ready within option.model_loading_timeout=%.0f s", limit)
-            return None
+            self.failure = f"the engine was not ready within option.model_loading_timeout={limit:.0f} s"
         return False
 
     def _mark_dead(self, reason: str) -> None:
-        """Tell the HTTP workers (503 on /ping, 424 for requests in flight) before they go down."""
-        with open(engine_dead_path(self.run_dir), "w") as f:
-            f.write(reason)
+        """Tell the HTTP workers (503 on /ping, 424 for requests in flight) before they go down,
+        unless the engine has said so itself."""
+        if read_failure(self.run_dir, "engine") is None:
+            write_failure(self.run_dir, "engine", reason)
         time.sleep(DEAD_LINGER_S)
 
     def _drain(self, engine: subprocess.Popen, http: subprocess.Popen) -> int:
-        grace = self.config.scheduler.predict_timeout_s + STOP_GRACE_S
-        _stop(http, signal.SIGTERM, grace)
+        """New requests get 503 from now on; those in flight finish, or are aborted at the deadline."""
+        from handlers.engine_client import EngineClient
+
+        probe = EngineClient(engine_socket_path(self.run_dir))
+        budget = self.config.server.drain_timeout_s
+        deadline = time.time() + budget
+        write_atomically(draining_path(self.run_dir), repr(deadline))
+        log.info("draining: new requests get 503; requests in flight have %g s to finish", budget)
+        idle_in_a_row = 0
+        while idle_in_a_row < 2 and time.time() < deadline + POLL_S and engine.poll() is None:
+            reply = probe.health(timeout=POLL_S)
+            idle = reply is not None and reply.num_running == 0 and reply.num_waiting == 0
+            idle_in_a_row = idle_in_a_row + 1 if idle else 0
+            time.sleep(POLL_S)
+        # gunicorn lets the responses still being written finish; a request still running at the
+        # deadline is aborted by its worker with a 503
+        _stop(http, signal.SIGTERM, max(deadline - time.time(), 0) + STOP_GRACE_S)
         _stop(engine, signal.SIGTERM, STOP_GRACE_S)
         log.info("stopped")
         return 0

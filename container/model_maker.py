@@ -95,7 +95,19 @@ def make_model(out_dir: str, arch: str = "llama", size: str = "tiny", seed: int 
             "init_range": INIT_RANGE, "lm_head_scale": LM_HEAD_SCALE}
     with open(os.path.join(out_dir, "lmi_model_card.json"), "w", encoding="utf-8") as f:
         json.dump(card, f, indent=2)
+    make_world_readable(out_dir)
     return card
+
+
+def make_world_readable(out_dir: str) -> None:
+    """safetensors writes the weights with mode 0600; the image serves as a non-root user, so a
+    mounted model made here must be readable by others (0644 files, 0755 directories)."""
+    os.chmod(out_dir, 0o755)
+    for root, dirs, files in os.walk(out_dir):
+        for name in dirs:
+            os.chmod(os.path.join(root, name), 0o755)
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o644)
 
 
 def median_top1_margin(model, tokenizer, num_prompts: int = 8, new_tokens: int = 8) -> float:

@@ -62,6 +62,9 @@ class ServerConfig(msgspec.Struct, frozen=True):
     output_formatter: str = "json"  # json | jsonlines | sse
     default_max_new_tokens: int = 30
     model_loading_timeout_s: float = 1800.0
+    max_inputs_per_request: int = 256
+    max_input_chars: int = 1_000_000
+    drain_timeout_s: float = 20.0  # SageMaker kills the container 30 s after SIGTERM
 
 
 class LmiConfig(msgspec.Struct, frozen=True):

@@ -9,6 +9,8 @@ Token ids travel once (in ADD); outputs carry only the new token ids of each ste
 
 from __future__ import annotations
 
+import os
+
 import msgspec
 
 from engines.sampling_params import SamplingParams
@@ -91,6 +93,36 @@ def engine_socket_path(run_dir: str) -> str:
     return f"ipc://{run_dir}/engine.sock"
 
 
-def engine_dead_path(run_dir: str) -> str:
-    """The launcher writes why the engine died here; the HTTP workers fail requests when it exists."""
-    return f"{run_dir}/engine.dead"
+def ready_path(run_dir: str) -> str:
+    """The engine creates this once it serves (the launcher's sign that the server started)."""
+    return f"{run_dir}/engine.ready"
+
+
+def draining_path(run_dir: str) -> str:
+    """The launcher writes the drain deadline (wall-clock seconds) here on SIGTERM."""
+    return f"{run_dir}/draining"
+
+
+def failure_path(run_dir: str, who: str) -> str:
+    """Where a process of the server writes, in one sentence, why it could not start or go on
+    ("engine": the HTTP workers fail requests once it exists; "http": a worker could not boot)."""
+    return f"{run_dir}/{who}.failed"
+
+
+def write_atomically(path: str, text: str) -> None:
+    """Readers polling for the file never see half of it."""
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+def write_failure(run_dir: str, who: str, reason: str) -> None:
+    write_atomically(failure_path(run_dir, who), reason.strip().splitlines()[0] if reason.strip() else "unknown failure")
+
+
+def read_failure(run_dir: str, who: str) -> str | None:
+    try:
+        with open(failure_path(run_dir, who), encoding="utf-8") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None

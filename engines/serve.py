@@ -17,7 +17,10 @@ import threading
 from engines.config import ENGINE_DYNAMIC, ENGINE_PAGED, ENGINE_ROLLING, LmiConfig, model_max_len
 from engines.dist import Communicator, SingleProcess, make_communicator, rank_info
 from engines.endpoint import EngineEndpoint
-from engines.protocol import STATE_DEAD, STATE_LOADING, STATE_READY, HealthReply, engine_socket_path
+from engines.ipc import high_water_mark
+from engines.protocol import (FINISH_ERROR, STATE_DEAD, STATE_LOADING, STATE_READY, Add, HealthReply, Output,
+                              engine_socket_path, ready_path, write_failure)
+from engines.errors import FatalStepError
 
 log = logging.getLogger("engines.serve")
 
@@ -64,28 +67,52 @@ class EngineProcess:
     def __init__(self, config: LmiConfig, run_dir: str, comm: Communicator):
         self.config = config
         self.comm = comm
+        self.run_dir = run_dir
         self.state = STATE_LOADING
         self.detail = ""
         self.stop = threading.Event()
         self.engine = None
-        self._pending = []  # messages that arrive while loading
+        self._pending = []  # messages that arrive while loading, in arrival order
         self._lock = threading.Lock()
-        self.endpoint = EngineEndpoint(engine_socket_path(run_dir), self._on_message, self._health)
+        sched = config.scheduler
+        self.endpoint = EngineEndpoint(engine_socket_path(run_dir), self._on_message, self._health,
+                                       high_water_mark(sched.job_queue_size, sched.max_num_seqs))
 
     def _on_message(self, msg) -> None:
-        with self._lock:
-            if self.engine is None or self.state != STATE_READY:
+        with self._lock:  # against become_ready: a message never overtakes one that arrived before it
+            if self.state == STATE_LOADING:
                 self._pending.append(msg)
+                return
+            if self.state == STATE_DEAD:
+                if isinstance(msg, Add):
+                    self.endpoint.publish([Output(msg.request_id, [], finished=True, finish_reason=FINISH_ERROR,
+                                                  error_code=503, error=f"the engine is not available: {self.detail}")])
                 return
         self.engine.submit(msg)
 
     def _health(self) -> HealthReply:
-        if self.engine is not None and self.state == STATE_READY:
-            try:  # read from the IO thread while the engine steps: never let it take the thread down
-                return self.engine.health(self.state)
+        engine = self.engine
+        if engine is not None and self.state == STATE_READY:
+            try:  # the engine's own snapshot: its state is never read while it changes
+                return engine.health(self.state)
             except Exception as exc:
                 return HealthReply(self.state, detail=f"engine statistics unavailable: {exc}")
         return HealthReply(self.state, detail=self.detail)
+
+    def become_ready(self, engine) -> None:
+        with self._lock:
+            for msg in self._pending:
+                engine.submit(msg)
+            self._pending = []
+            self.engine, self.state = engine, STATE_READY
+        with open(ready_path(self.run_dir), "w"):
+            pass
+
+    def die(self, reason: str) -> None:
+        """Say why (HEALTH answers "dead" from now on, and the launcher reads the failure file)."""
+        with self._lock:
+            self.state, self.detail = STATE_DEAD, reason
+        write_failure(self.run_dir, "engine", reason)
 
     def run(self) -> int:
         self.endpoint.start()
@@ -94,16 +121,20 @@ class EngineProcess:
             engine.load()
         except Exception as exc:
             log.exception("engine failed to load")
-            self.state, self.detail = STATE_DEAD, f"engine failed to load: {exc}"
+            self.die(f"the engine failed to load the model: {type(exc).__name__}: {exc}")
+            self.endpoint.close()
             return 3
-        with self._lock:
-            self.engine, self.state = engine, STATE_READY
-            pending, self._pending = self._pending, []
-        for msg in pending:
-            engine.submit(msg)
+        self.become_ready(engine)
         log.info("engine ready (%s)", self.config.scheduler.engine_kind)
         try:
             engine.run(self.stop)
+        except FatalStepError as exc:
+            # the ranks may be stuck in a collective: no goodbye to them, mpirun ends the group
+            log.error("%s: exiting", exc)
+            self.die(str(exc))
+            self.endpoint.close()  # the failed requests' errors still go out
+            logging.shutdown()
+            os._exit(5)
         finally:
             engine.stop_ranks()
             self.endpoint.close()

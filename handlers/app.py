@@ -1,10 +1,18 @@
 """The Flask app each gunicorn worker runs: `/ping`, `/invocations`, `/predictions/<model>`.
 
 Workers are thin: validate, tokenize, send token ids to the engine, wait, detokenize, format.
+Request ids are the server's (a uuid per request, one per input to the engine); a client's
+`X-Request-Id` is echoed and logged, never used to route anything.
+
+The other processes talk to the workers through files in the run directory: `engine.failed` (the
+engine is gone, written by the engine itself or by the launcher: 503 on /ping, 424 for requests in
+flight) and `draining` (SIGTERM: 503 for new requests, and requests still running at the drain
+deadline are aborted with a 503).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -15,44 +23,70 @@ from flask import Flask, Response, g, request
 from werkzeug.exceptions import HTTPException
 
 from engines.config import ENGINE_DYNAMIC, LmiConfig, model_max_len
-from engines.protocol import STATE_READY, engine_dead_path, engine_socket_path
+from engines.ipc import high_water_mark
+from engines.protocol import STATE_READY, draining_path, engine_socket_path, read_failure, write_failure
 from handlers.engine_client import EngineClient
 from handlers.errors import HttpError, bad_request
 from handlers.formatters import JSONLINES, SSE, collect, response_body, stream_lines
 from handlers.generation import ClientGone, Generation, client_gone
 from handlers.metrics import render as render_metrics
-from handlers.schemas import GenerationRequest, parse_body, parse_request
+from handlers.schemas import GenerationRequest, RequestLimits, parse_body, parse_request
 from handlers.tokenizer import TextTokenizer
 
 log = logging.getLogger("handlers.app")
 
-PING_TIMEOUT_S = 1.0
-PING_TRIES = 5
+PING_TIMEOUT_S = 1.0  # a health round trip when the snapshot is older than PING_SNAPSHOT_AGE_S
+PING_SNAPSHOT_AGE_S = 1.0  # a ready snapshot this fresh answers /ping (a death shows through engine.dead)
+BODY_CHUNK = 1 << 16
 
 
 class Service:
     """What the routes share in one worker process."""
 
     def __init__(self, config: LmiConfig, client: EngineClient, tokenizer: TextTokenizer,
-                 dead_path: str | None = None):
+                 run_dir: str | None = None):
         self.config = config
-        self.dead_path = dead_path
+        self.run_dir = run_dir
         self.client = client
         self.tokenizer = tokenizer
         self.max_model_len = model_max_len(config.model.local_dir, config.model.max_model_len)
         self.is_dynamic = config.scheduler.engine_kind == ENGINE_DYNAMIC
+        self.limits = RequestLimits(config.server.max_inputs_per_request, config.server.max_input_chars)
         self.engine_ready = False
+        self._drain_deadline: float | None = None
 
     def engine_dead(self) -> str | None:
-        """Why the engine died, once the launcher has said so."""
-        if self.dead_path is None or not os.path.exists(self.dead_path):
+        """Why the engine died, once the engine itself (a fatal step) or the launcher has said so."""
+        if self.run_dir is None:
             return None
-        with open(self.dead_path, encoding="utf-8") as f:
-            return f.read().strip() or "the engine died"
+        return read_failure(self.run_dir, "engine")
+
+    def drain_deadline(self) -> float | None:
+        """The wall-clock time by which requests must end, once the launcher has begun to drain."""
+        if self._drain_deadline is None and self.run_dir is not None:
+            try:
+                with open(draining_path(self.run_dir), encoding="utf-8") as f:
+                    self._drain_deadline = float(f.read())
+            except (OSError, ValueError):
+                return None
+        return self._drain_deadline
+
+    def interrupted(self) -> HttpError | None:
+        """Why a request in flight must end now, if it must."""
+        dead = self.engine_dead()
+        if dead:
+            return HttpError(424, f"the model failed during generation: {dead}")
+        deadline = self.drain_deadline()
+        if deadline is not None and time.time() > deadline:
+            return HttpError(503, "the server is shutting down: the request was aborted at the end of the drain "
+                                  f"(drain_timeout={self.config.server.drain_timeout_s:g} s)")
+        return None
 
     def require_ready(self) -> None:
         if self.engine_dead():
             raise HttpError(503, f"the model is not available: {self.engine_dead()}")
+        if self.drain_deadline() is not None:
+            raise HttpError(503, "the server is shutting down; send the request to another instance")
         if self.engine_ready:
             return
         reply = self.client.health(PING_TIMEOUT_S)
@@ -71,7 +105,7 @@ class Service:
                 raise bad_request(f"{where} has {len(ids)} tokens and max_new_tokens is "
                                   f"{req.sampling.max_new_tokens}: {total} exceeds the model's maximum "
                                   f"length of {self.max_model_len} tokens")
-        return [Generation(self.client, f"{request_id}-{i}", ids, text, req, self.tokenizer, self.engine_dead)
+        return [Generation(self.client, f"{request_id}-{i}", ids, text, req, self.tokenizer, self.interrupted)
                 for i, (ids, text) in enumerate(zip(prompts, req.inputs))]
 
     def deadline(self) -> float:
@@ -80,56 +114,82 @@ class Service:
 
 def create_app(run_dir: str) -> Flask:
     config = LmiConfig.read(os.path.join(run_dir, "config.json"))
-    service = Service(config, EngineClient(engine_socket_path(run_dir)), TextTokenizer(config.model.local_dir),
-                      engine_dead_path(run_dir))
-    return build_app(service)
+    try:
+        tokenizer = TextTokenizer(config.model.local_dir)
+    except Exception as exc:  # the launcher reports this sentence as the reason the server did not start
+        write_failure(run_dir, "http", f"the HTTP workers could not load the tokenizer: {exc}")
+        raise
+    sched = config.scheduler
+    client = EngineClient(engine_socket_path(run_dir), high_water_mark(sched.job_queue_size, sched.max_num_seqs),
+                          refresh_health=True)
+    return build_app(Service(config, client, tokenizer, run_dir))
+
+
+def read_body(environ: dict, content_length: int | None, limit: int) -> bytes:
+    """The whole body, at most `limit` bytes (413 beyond, also for chunked bodies of unknown length);
+    a body that cannot be read (a bad chunk, a client gone mid-body) is a 400."""
+    if content_length is not None and content_length > limit:
+        raise HttpError(413, f"the request body exceeds max_request_size ({limit} bytes)")
+    stream = environ["wsgi.input"]
+    chunks, total = [], 0
+    try:
+        while True:
+            chunk = stream.read(min(BODY_CHUNK, limit + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > limit:
+                raise HttpError(413, f"the request body exceeds max_request_size ({limit} bytes)")
+    except HttpError:
+        raise
+    except Exception as exc:
+        raise bad_request(f"the request body could not be read: {exc or type(exc).__name__}") from None
+    return b"".join(chunks)
 
 
 def build_app(service: Service) -> Flask:
     app = Flask("lmi-serve")
-    app.config["MAX_CONTENT_LENGTH"] = service.config.server.max_request_size
     app.json.sort_keys = False
+    max_body = service.config.server.max_request_size
 
     @app.before_request
     def _request_id():
-        g.request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        g.request_id = uuid.uuid4().hex  # ours: what the engine and the logs key on
+        g.client_request_id = request.headers.get("X-Request-Id")
+        g.log_id = g.request_id if not g.client_request_id else f"{g.request_id} client-id={g.client_request_id!r}"
 
     @app.after_request
     def _tag(resp: Response):
-        resp.headers["X-Request-Id"] = g.get("request_id", "")
+        resp.headers["X-Request-Id"] = g.get("client_request_id") or g.get("request_id", "")
         return resp
 
     @app.errorhandler(HttpError)
     def _http_error(err: HttpError):
-        log.info("[%s] %d %s", g.get("request_id"), err.code, err.message)
+        log.info("[%s] %d %s", g.get("log_id"), err.code, err.message)
         return err.response()
 
     @app.errorhandler(HTTPException)
     def _werkzeug_error(err: HTTPException):
-        code = err.code or 500
-        if code == 413:
-            message = f"the request body exceeds max_request_size ({service.config.server.max_request_size} bytes)"
-        else:
-            message = err.description or err.name
-        return _http_error(HttpError(code, message))
+        return _http_error(HttpError(err.code or 500, err.description or err.name))
 
     @app.errorhandler(Exception)
     def _unexpected(err: Exception):
-        log.exception("[%s] unexpected error", g.get("request_id"))
+        log.exception("[%s] unexpected error", g.get("log_id"))
         return _http_error(HttpError(500, f"internal error: {type(err).__name__}"))
 
     @app.get("/ping")
     @app.get("/health")
     def ping():
-        reply = None
-        for _ in range(PING_TRIES):  # short waits, so that a death the launcher reports shows at once
-            dead = service.engine_dead()
-            if dead:
-                service.engine_ready = False
-                return _json({"status": "unhealthy", "engine": "dead", "detail": dead}, 503)
-            reply = service.client.health(PING_TIMEOUT_S / PING_TRIES)
-            if reply is not None:
-                break
+        dead = service.engine_dead()
+        if dead:
+            service.engine_ready = False
+            return _json({"status": "unhealthy", "engine": "dead", "detail": dead}, 503)
+        if service.drain_deadline() is not None:
+            return _json({"status": "draining", "engine": "draining"}, 503)
+        reply = service.client.health(PING_TIMEOUT_S, max_age=PING_SNAPSHOT_AGE_S)
+        if reply is not None and reply.state != STATE_READY:  # not ready in the snapshot: ask now, so that
+            reply = service.client.health(PING_TIMEOUT_S)  # readiness shows the moment the engine has it
         if reply is None:
             service.engine_ready = False
             return _json({"status": "unhealthy", "engine": "not responding"}, 503)
@@ -155,8 +215,7 @@ def build_app(service: Service) -> Flask:
     @app.post("/invocations")
     @app.post("/predictions/<model_name>")
     def invocations(model_name: str | None = None):
-        body = parse_body(request.get_data(), request.content_type)
-        req = parse_request(body, default_max_new_tokens=service.config.server.default_max_new_tokens)
+        req = _parse(read_body(request.environ, request.content_length, max_body), request.content_type)
         if req.stream and service.is_dynamic:
             raise bad_request("streaming is not supported with dynamic batching (batch_size>1 or "
                               "option.rolling_batch=disable); send \"stream\": false")
@@ -164,23 +223,43 @@ def build_app(service: Service) -> Flask:
             raise bad_request("streaming takes one input: send \"inputs\" as a string")
         service.require_ready()
         gens = service.start(req, g.request_id)
-        if req.stream:
-            sse = service.config.server.output_formatter == "sse" or \
-                "text/event-stream" in request.headers.get("Accept", "")
-            return Response(stream_lines(gens[0], req, service.deadline(), sse),
-                            mimetype=SSE if sse else JSONLINES)
         sock = request.environ.get("gunicorn.socket")
+        is_gone = lambda: client_gone(sock)  # noqa: E731
         deadline = service.deadline()
+        if req.stream:
+            return _stream(gens[0], req, deadline, is_gone)
         try:
-            bodies = [response_body(gen, collect(gen, deadline, lambda: client_gone(sock)), req) for gen in gens]
+            bodies = [response_body(gen, collect(gen, deadline, is_gone), req) for gen in gens]
         except ClientGone:
-            log.info("[%s] client disconnected: request aborted", g.request_id)
+            log.info("[%s] client disconnected: request aborted", g.log_id)
             return Response(status=499)
         finally:
             for gen in gens:  # a failure in one input aborts the others
                 gen.close()
-        log.info("[%s] %d input(s), %s tokens", g.request_id, len(gens), [gen.num_generated_tokens for gen in gens])
+        log.info("[%s] %d input(s), %s tokens", g.log_id, len(gens), [gen.num_generated_tokens for gen in gens])
         return _json(bodies if service.is_dynamic or req.is_list else bodies[0], 200)
+
+    def _parse(raw: bytes, content_type: str | None) -> GenerationRequest:
+        try:
+            return parse_request(parse_body(raw, content_type), limits=service.limits,
+                                 default_max_new_tokens=service.config.server.default_max_new_tokens)
+        except HttpError:
+            raise
+        except Exception as exc:  # whatever the body holds, a parse failure is the client's: 400
+            log.warning("[%s] unparsable request: %r", g.log_id, exc)
+            raise bad_request(f"the request could not be parsed: {type(exc).__name__}") from None
+
+    def _stream(gen: Generation, req: GenerationRequest, deadline: float, is_gone) -> Response:
+        """The status line waits for the first token: a request refused before it gets its real status."""
+        sse = service.config.server.output_formatter == "sse" or \
+            "text/event-stream" in request.headers.get("Accept", "")
+        lines = stream_lines(gen, req, deadline, sse, is_gone)
+        try:
+            first = next(lines)
+        except ClientGone:
+            log.info("[%s] client disconnected before the first token: request aborted", g.log_id)
+            return Response(status=499)
+        return Response(itertools.chain([first], lines), mimetype=SSE if sse else JSONLINES)
 
     return app
 

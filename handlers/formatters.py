@@ -6,7 +6,7 @@ import json
 from typing import Iterator
 
 from handlers.errors import HttpError
-from handlers.generation import Generation
+from handlers.generation import ClientGone, Generation
 from handlers.schemas import GenerationRequest
 
 JSONLINES = "application/jsonlines"
@@ -42,16 +42,18 @@ def collect(gen: Generation, deadline: float, is_gone) -> list[dict]:
     return [_public(t) for t in gen.tokens(deadline, is_gone)]
 
 
-def stream_lines(gen: Generation, req: GenerationRequest, deadline: float, sse: bool) -> Iterator[bytes]:
+def stream_lines(gen: Generation, req: GenerationRequest, deadline: float, sse: bool,
+                 is_gone=lambda: False) -> Iterator[bytes]:
     """One JSON line per token; the last also carries generated_text (and details, without tokens).
-    An error after the 200 went out ends the stream with an error line."""
+    An error before the first line raises HttpError (the caller still owns the status line); an error
+    after it ends the stream with an error line."""
     def line(obj: dict) -> bytes:
         data = json.dumps(obj, ensure_ascii=False)
         return f"data: {data}\n\n".encode() if sse else (data + "\n").encode()
 
-    ended = False
+    ended = started = False
     try:
-        for token in gen.tokens(deadline):
+        for token in gen.tokens(deadline, is_gone):
             obj = {"token": {k: v for k, v in token.items() if k not in ("last", "top_tokens")}}
             if "top_tokens" in token:
                 obj["top_tokens"] = token["top_tokens"]
@@ -60,6 +62,7 @@ def stream_lines(gen: Generation, req: GenerationRequest, deadline: float, sse: 
                 if req.details:
                     obj["details"] = _details(gen, None)
                 ended = True
+            started = True
             yield line(obj)
         if not ended:
             final = {"token": None, "generated_text": _text(gen, req)}
@@ -67,4 +70,9 @@ def stream_lines(gen: Generation, req: GenerationRequest, deadline: float, sse: 
                 final["details"] = _details(gen, None)
             yield line(final)
     except HttpError as err:
+        if not started:
+            raise
         yield line(err.body())
+    except ClientGone:
+        if not started:
+            raise

@@ -4,10 +4,14 @@
 that could be the start of a stop string is held back until it is clearly not one, so the token
 texts always concatenate to `generated_text`, streamed or not. When a stop string appears the
 request is aborted in the engine and the text is cut before it.
+
+Whatever the token rate, the client, the deadline and the server's state (engine dead, drain over)
+are checked at least every POLL_S: a request is never kept alive by its own tokens.
 """
 
 from __future__ import annotations
 
+import math
 import queue
 import select
 import socket
@@ -56,12 +60,17 @@ def client_gone(sock: socket.socket | None) -> bool:
         return True
 
 
+def finite_or_none(value: float) -> float | None:
+    """A log-prob for JSON: NaN and infinities are not JSON numbers."""
+    return value if math.isfinite(value) else None
+
+
 class Generation:
     def __init__(self, client: EngineClient, request_id: str, prompt_ids: list[int], input_text: str,
                  req: GenerationRequest, tokenizer: TextTokenizer,
-                 engine_dead: Callable[[], str | None] = lambda: None):
+                 interrupted: Callable[[], HttpError | None] = lambda: None):
         self.client = client
-        self._engine_dead = engine_dead
+        self._interrupted = interrupted
         self.request_id = request_id
         self.input_text = input_text
         self.req = req
@@ -74,6 +83,7 @@ class Generation:
         self.num_generated_tokens = 0
         self.batch_id: int | None = None
         self._closed = False
+        self._checked_at = time.monotonic()
         self._queue = client.add(Add(request_id, prompt_ids, req.sampling))
 
     @property
@@ -101,22 +111,28 @@ class Generation:
 
     def _next(self, deadline: float, is_gone: Callable[[], bool]) -> Output:
         while True:
+            if time.monotonic() - self._checked_at >= POLL_S:
+                self._check(deadline, is_gone)
             try:
                 out = self._queue.get(timeout=POLL_S)
                 break
             except queue.Empty:
-                if is_gone():
-                    raise ClientGone() from None
-                dead = self._engine_dead()
-                if dead:
-                    self.finish_reason = "error"
-                    raise HttpError(424, f"the model failed during generation: {dead}") from None
-                if time.monotonic() > deadline:
-                    raise HttpError(424, "the engine did not answer within option.predict_timeout") from None
+                continue
         if out.error_code is not None:
             self.finish_reason = "error"
             raise HttpError(out.error_code, out.error or "the model failed during generation")
         return out
+
+    def _check(self, deadline: float, is_gone: Callable[[], bool]) -> None:
+        """Raise when the request must end now: its client left, the server says so, or time is up."""
+        self._checked_at = time.monotonic()
+        if is_gone():
+            raise ClientGone()
+        err = self._interrupted()
+        if err is not None:
+            raise err
+        if self._checked_at > deadline:
+            raise HttpError(424, "the engine did not answer within option.predict_timeout")
 
     def _tokens_of(self, out: Output) -> Iterator[dict]:
         n = len(out.token_ids)
@@ -125,9 +141,9 @@ class Generation:
             last = stopped or (out.finished and i == n - 1)
             if last and not stopped:
                 text += self._stops.feed(self._detok.flush())[0] + self._stops.flush()
-            token = {"id": tid, "text": text, "log_prob": out.log_probs[i] if out.log_probs else None}
+            token = {"id": tid, "text": text, "log_prob": finite_or_none(out.log_probs[i]) if out.log_probs else None}
             if out.top_tokens:
-                token["top_tokens"] = [{"id": t, "text": self._tokenizer.decode([t]), "log_prob": lp}
+                token["top_tokens"] = [{"id": t, "text": self._tokenizer.decode([t]), "log_prob": finite_or_none(lp)}
                                        for t, lp in out.top_tokens[i]]
             self.text_parts.append(text)
             self.num_generated_tokens += 1

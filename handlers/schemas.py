@@ -1,6 +1,11 @@
 """The LMI request schema: parse and validate a body into prompts and SamplingParams.
 
-Every problem is a 400 that names the field; unknown parameters are logged and ignored.
+Every problem is a 400 that names the field; unknown parameters are logged and ignored. Limits are
+checked before any expensive work: inputs per request and characters per input (tokenizing costs
+about a microsecond a character), integers within 64 bits, finite numbers, valid Unicode.
+Sampling values that are legal but numerically hopeless are normalised as vLLM does: a temperature
+below 1e-5 means greedy, one below 1e-2 is raised to 1e-2, and a repetition penalty is held within
+[1e-4, 1e4].
 """
 
 from __future__ import annotations
@@ -15,6 +20,19 @@ from handlers.errors import bad_request
 log = logging.getLogger(__name__)
 
 MAX_TOP_N_TOKENS = 20
+INT64_MAX = 2**63 - 1
+INT32_MAX = 2**31 - 1
+GREEDY_BELOW_TEMPERATURE = 1e-5  # vLLM's _SAMPLING_EPS
+MIN_TEMPERATURE = 1e-2  # vLLM raises smaller temperatures to this (NaN/inf otherwise)
+REPETITION_PENALTY_RANGE = (1e-4, 1e4)
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Server settings `max_inputs_per_request` and `max_input_chars`."""
+
+    max_inputs: int = 256
+    max_input_chars: int = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -41,7 +59,9 @@ def parse_body(raw: bytes, content_type: str | None) -> dict:
     if not raw.strip():
         raise bad_request("the request body is empty; send JSON such as {\"inputs\": \"Hello\"}")
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_reject_constant)
+    except RecursionError:
+        raise bad_request("the request body is nested too deeply") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
@@ -49,34 +69,54 @@ def parse_body(raw: bytes, content_type: str | None) -> dict:
     return body
 
 
-def parse_request(body: dict, *, default_max_new_tokens: int) -> GenerationRequest:
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def parse_request(body: dict, *, default_max_new_tokens: int, limits: RequestLimits = RequestLimits()) \
+        -> GenerationRequest:
     if "messages" in body:
         raise bad_request("chat requests (\"messages\") are not supported by this engine; send \"inputs\"")
     if "inputs" not in body:
         raise bad_request("missing \"inputs\": send {\"inputs\": \"text\"} or {\"inputs\": [\"text\", ...]}")
-    inputs, is_list = _inputs(body["inputs"])
+    inputs, is_list = _inputs(body["inputs"], limits)
     params = body.get("parameters", {})
     if params is None:
         params = {}
     if not isinstance(params, dict):
         raise bad_request(f"\"parameters\" must be a JSON object, not {_type_name(params)}")
     stream = _bool(body, "stream", False, where="")
-    if "stream" in params:
+    if params.get("stream") is not None:
         stream = _bool(params, "stream", False)
     return _build(inputs, is_list, params, stream, default_max_new_tokens)
 
 
-def _inputs(value) -> tuple[list[str], bool]:
+def _inputs(value, limits: RequestLimits) -> tuple[list[str], bool]:
     if isinstance(value, str):
+        _check_text(value, "\"inputs\"", limits)
         return [value], False
     if isinstance(value, list):
         if not value:
             raise bad_request("\"inputs\" is an empty list; send at least one string")
+        if len(value) > limits.max_inputs:
+            raise bad_request(f"\"inputs\" holds {len(value)} prompts: at most {limits.max_inputs} are allowed "
+                              "per request (max_inputs_per_request)")
         for i, item in enumerate(value):
             if not isinstance(item, str):
                 raise bad_request(f"\"inputs\"[{i}] must be a string, not {_type_name(item)}")
+            _check_text(item, f"\"inputs\"[{i}]", limits)
         return list(value), True
     raise bad_request(f"\"inputs\" must be a string or a list of strings, not {_type_name(value)}")
+
+
+def _check_text(text: str, where: str, limits: RequestLimits | None = None) -> None:
+    if limits is not None and len(text) > limits.max_input_chars:
+        raise bad_request(f"{where} has {len(text)} characters: at most {limits.max_input_chars} are allowed "
+                          "(max_input_chars)")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise bad_request(f"{where} is not valid Unicode: a lone surrogate at character {exc.start}") from None
 
 
 _KNOWN = {"max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "repetition_penalty", "seed",
@@ -90,15 +130,16 @@ def _build(inputs, is_list, params: dict, stream: bool, default_max_new_tokens: 
         log.warning("ignoring unknown parameters: %s", ", ".join(ignored))
     do_sample = _bool(params, "do_sample", False)
     temperature = _number(params, "temperature", 1.0, minimum=0.0)
-    top_k = _int(params, "top_k", 0, minimum=-1)
+    top_k = _int(params, "top_k", 0, minimum=-1, maximum=INT32_MAX)
     top_p = _number(params, "top_p", 1.0, minimum=0.0, maximum=1.0, open_low=True)
+    penalty = _number(params, "repetition_penalty", 1.0, minimum=0.0, open_low=True)
+    is_greedy = not do_sample or temperature < GREEDY_BELOW_TEMPERATURE  # temperature 0: greedy (vLLM, TGI)
     sampling = SamplingParams(
         max_new_tokens=_int(params, "max_new_tokens", default_max_new_tokens, minimum=1),
-        # temperature 0 means greedy, as in vLLM and TGI
-        do_sample=do_sample and temperature > 0,
-        temperature=temperature if temperature > 0 else 1.0,
+        do_sample=not is_greedy,
+        temperature=1.0 if is_greedy else max(temperature, MIN_TEMPERATURE),
         top_k=max(top_k, 0), top_p=top_p,
-        repetition_penalty=_number(params, "repetition_penalty", 1.0, minimum=0.0, open_low=True),
+        repetition_penalty=min(max(penalty, REPETITION_PENALTY_RANGE[0]), REPETITION_PENALTY_RANGE[1]),
         seed=_int(params, "seed", None, minimum=0),
         ignore_eos=_bool(params, "ignore_eos", False) or _bool(params, "ignore_eos_token", False),
         stop_token_ids=tuple(_int_list(params, "stop_token_ids")),
@@ -120,12 +161,12 @@ def _bool(params: dict, name: str, default, where: str = "parameters."):
     return value
 
 
-def _int(params: dict, name: str, default, *, minimum=None, maximum=None):
+def _int(params: dict, name: str, default, *, minimum=-INT64_MAX - 1, maximum=INT64_MAX):
     value = params.get(name, default)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int):
-        if isinstance(value, float) and value.is_integer():
+        if isinstance(value, float) and value.is_integer() and abs(value) <= INT64_MAX:
             value = int(value)
         else:
             raise bad_request(f"\"parameters.{name}\" must be an integer, not {json.dumps(value)}")
@@ -142,6 +183,10 @@ def _number(params: dict, name: str, default, *, minimum=None, maximum=None, ope
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise bad_request(f"\"parameters.{name}\" must be a number, not {json.dumps(value)}")
+    try:
+        value = float(value)  # an integer beyond a double's range overflows here
+    except OverflowError:
+        value = float("inf")
     if value != value or value in (float("inf"), float("-inf")):
         raise bad_request(f"\"parameters.{name}\" must be a finite number")
     if minimum is not None and (value < minimum or (open_low and value == minimum)):
@@ -149,13 +194,14 @@ def _number(params: dict, name: str, default, *, minimum=None, maximum=None, ope
         raise bad_request(f"\"parameters.{name}\" must be {op} {minimum}, not {value}")
     if maximum is not None and value > maximum:
         raise bad_request(f"\"parameters.{name}\" must be <= {maximum}, not {value}")
-    return float(value)
+    return value
 
 
 def _int_list(params: dict, name: str) -> list[int]:
     value = params.get(name) or []
-    if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in value):
-        raise bad_request(f"\"parameters.{name}\" must be a list of token ids (non-negative integers)")
+    if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= INT32_MAX
+                                          for v in value):
+        raise bad_request(f"\"parameters.{name}\" must be a list of token ids (integers in [0, {INT32_MAX}])")
     return value
 
 
@@ -167,6 +213,8 @@ def _stop_sequences(params: dict) -> tuple[str, ...]:
         value = [value]
     if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
         raise bad_request("\"parameters.stop_sequences\" must be a string or a list of non-empty strings")
+    for v in value:
+        _check_text(v, "\"parameters.stop_sequences\"")
     return tuple(value)
 
 

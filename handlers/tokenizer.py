@@ -28,7 +28,9 @@ class TextTokenizer:
         return self._tok.token_to_id(token) if isinstance(token, str) else None
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=True).ids
+        # encode_batch releases the GIL (encode does not): a long prompt never stalls the worker's
+        # other threads, nor the heartbeat that keeps gunicorn from killing the worker
+        return self._tok.encode_batch([text], add_special_tokens=True)[0].ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)

@@ -21,6 +21,7 @@ import msgspec
 from engines.config import LmiConfig
 from engines.protocol import Abort, Add, HealthReply, Output
 from engines.sampling_params import SamplingParams
+from engines.errors import is_out_of_memory
 
 log = logging.getLogger(__name__)
 
@@ -147,13 +148,13 @@ class DynamicEngine:
         started = time.perf_counter()
         try:
             outputs = self.generator.generate(batch)
-        except MemoryError as exc:
-            outputs = [_failed(r, 507, f"out of memory during generation: {exc}") for r in batch]
         except Exception as exc:  # one failed batch fails its requests, not the engine
-            if type(exc).__name__ == "OutOfMemoryError":
+            ids = [r.request_id for r in batch]
+            if is_out_of_memory(exc):
+                log.error("batch %d ran out of memory (%s); failing requests %s", batch_id, exc, ids)
                 outputs = [_failed(r, 507, f"out of memory during generation: {exc}") for r in batch]
             else:
-                log.exception("batch %d failed", batch_id)
+                log.exception("batch %d failed; failing requests %s", batch_id, ids)
                 outputs = [_failed(r, 424, f"the model failed during generation: {exc}") for r in batch]
         finally:
             self._num_running = 0

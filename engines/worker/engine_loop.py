@@ -1,7 +1,9 @@
 """What the rolling engines share: the inbox, the queue bound, the loop, the KV budget, errors.
 
 Messages from the HTTP side (ADD / ABORT) arrive on a thread-safe inbox (the endpoint's IO thread
-puts them there) and are taken between steps; the loop blocks on the inbox only when idle.
+puts them there) and are taken between steps; the loop blocks on the inbox only when idle. The
+loop also keeps the health snapshot that the IO thread answers HEALTH with: the engine's state is
+only ever read by the thread that changes it.
 """
 
 from __future__ import annotations
@@ -13,14 +15,17 @@ import queue
 import threading
 import time
 
+import msgspec
 import torch
 
 from engines.config import LmiConfig, SchedulerConfig, memory_bytes
-from engines.protocol import FINISH_ERROR, Abort, Add, Output
+from engines.errors import FatalStepError, is_out_of_memory
+from engines.protocol import FINISH_ERROR, STATE_READY, Abort, Add, HealthReply, Output
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_FRACTION = "0.25"  # of available RAM, when option.kv_cache_memory is unset
+SNAPSHOT_INTERVAL_S = 0.02  # how often a busy loop refreshes its health snapshot
 
 
 class EngineLoop(abc.ABC):
@@ -31,6 +36,8 @@ class EngineLoop(abc.ABC):
         self.inbox: "queue.SimpleQueue[Add | Abort]" = queue.SimpleQueue()
         self.num_steps = 0
         self._step_started: float | None = None
+        self._snapshot = HealthReply(STATE_READY)
+        self._snapshot_at = 0.0
 
     # -- what each engine provides ----------------------------------------------------------------
     @property
@@ -54,19 +61,34 @@ class EngineLoop(abc.ABC):
     def step(self) -> None:
         """One engine iteration."""
 
+    @abc.abstractmethod
+    def measure(self) -> HealthReply:
+        """The engine's statistics now (called on the loop's thread only)."""
+
     # -- shared -------------------------------------------------------------------------------------
     def submit(self, msg: Add | Abort) -> None:
         self.inbox.put(msg)
 
+    def health(self, state: str) -> HealthReply:
+        """The latest snapshot (any thread: it is replaced whole, never mutated)."""
+        return msgspec.structs.replace(self._snapshot, state=state)
+
     def run(self, stop: threading.Event) -> None:
         watchdog = threading.Thread(target=self._watch, args=(stop,), name="step-watchdog", daemon=True)
         watchdog.start()
+        self._refresh_snapshot(force=True)
         while not stop.is_set():
             self._take_messages(block=not self.has_work())
             if self.has_work():
                 self._step_started = time.monotonic()
                 self.step()
                 self._step_started = None
+            self._refresh_snapshot(force=not self.has_work())
+
+    def _refresh_snapshot(self, force: bool) -> None:
+        now = time.monotonic()
+        if force or now - self._snapshot_at >= SNAPSHOT_INTERVAL_S:
+            self._snapshot, self._snapshot_at = self.measure(), now
 
     def _watch(self, stop: threading.Event) -> None:
         """A step stuck beyond option.predict_timeout (a hung rank, a wedged device) ends the process:
@@ -105,15 +127,18 @@ class EngineLoop(abc.ABC):
                               error=message)])
 
     def fail_step(self, request_ids: list[str], exc: Exception) -> None:
-        """A failed step fails its requests (424, or 507 when out of memory), not the engine."""
-        oom = isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
-        if not oom:
-            log.exception("step %d failed", self.num_steps)
+        """A failed step fails its requests (424, or 507 when out of memory), not the engine; with
+        tensor parallelism the ranks may be out of step, so it raises FatalStepError."""
+        oom = is_out_of_memory(exc)
+        if oom:
+            log.error("step %d ran out of memory (%s); failing requests %s", self.num_steps, exc, request_ids)
+        else:
+            log.exception("step %d failed; failing requests %s", self.num_steps, request_ids)
         what = "out of memory" if oom else "the model failed during generation"
         self._publish([Output(rid, [], finished=True, finish_reason=FINISH_ERROR, error_code=507 if oom else 424,
                               error=f"{what}: {exc}") for rid in request_ids])
-        if self.comm.world_size > 1:  # the ranks may be out of step now: the group must go down
-            raise SystemExit(f"step failed with tensor parallelism: {exc}")
+        if self.comm.world_size > 1:
+            raise FatalStepError(f"step {self.num_steps} failed with tensor parallelism: {exc}") from exc
 
 
 def kv_budget_bytes(sched: SchedulerConfig, device: torch.device, num_ranks: int = 1) -> int:

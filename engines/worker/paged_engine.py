@@ -12,7 +12,7 @@ from engines.config import LmiConfig, model_max_len
 from engines.core.block_manager import BlockManager
 from engines.core.request import Request
 from engines.core.scheduler import Scheduler
-from engines.protocol import Add, HealthReply, Output
+from engines.protocol import STATE_READY, Add, HealthReply, Output
 from engines.dist import SingleProcess
 from engines.worker.engine_loop import EngineLoop, kv_budget_bytes
 from engines.worker.mirror import Mirrored
@@ -46,9 +46,9 @@ class PagedEngine(EngineLoop):
                  num_blocks * sched.kv_block_size, self.paged.cache.num_bytes,
                  "on" if sched.enable_prefix_caching else "off", sched.max_num_seqs, sched.max_num_batched_tokens)
 
-    def health(self, state: str) -> HealthReply:
+    def measure(self) -> HealthReply:
         used = self.blocks.num_blocks - self.blocks.num_free_blocks
-        return HealthReply(state, num_waiting=self.num_waiting, num_running=self.scheduler.num_running,
+        return HealthReply(STATE_READY, num_waiting=self.num_waiting, num_running=self.scheduler.num_running,
                            num_batches=self.num_steps, num_kv_slots=used * self.config.scheduler.kv_block_size,
                            metrics=self.metrics())
 

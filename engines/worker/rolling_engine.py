@@ -16,7 +16,7 @@ import torch
 from engines.config import LmiConfig, model_max_len
 from engines.core.admission import AdmissionLimits, admit, fits_alone
 from engines.core.request import Request, Status
-from engines.protocol import Add, HealthReply, Output
+from engines.protocol import STATE_READY, Add, HealthReply, Output
 from engines.worker.engine_loop import EngineLoop, kv_budget_bytes
 from engines.dist import SingleProcess
 from engines.worker.mirror import Mirrored
@@ -69,8 +69,8 @@ class RollingEngine(EngineLoop):
                  "max_num_batched_tokens %d", budget, self.limits.max_kv_tokens, per_token,
                  sched.max_num_seqs, sched.max_num_batched_tokens)
 
-    def health(self, state: str) -> HealthReply:
-        return HealthReply(state, num_waiting=len(self.waiting), num_running=len(self.running),
+    def measure(self) -> HealthReply:
+        return HealthReply(STATE_READY, num_waiting=len(self.waiting), num_running=len(self.running),
                            num_batches=self.num_steps, num_kv_slots=self.batch.target.num_kv_slots())
 
     def stop_ranks(self) -> None:

@@ -98,6 +98,7 @@ def _warp(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
         before = probs.cumsum(dim=-1) - probs  # mass of strictly better tokens
         drop |= before >= top_ps  # keep the smallest prefix whose mass reaches top_p
+    drop[:, 0] = False  # the best token always stays (a top_p that rounds to 0 in float32 must not empty a row)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
