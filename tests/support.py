@@ -111,6 +111,23 @@ def ping(server: Server) -> dict:
     return requests.get(server.url + "/ping", timeout=5).json()
 
 
+def wait_for(condition, timeout: float, what: str, interval: float = 0.05):
+    """Poll `condition()` until it returns something truthy (returned), or fail after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+def wait_running(server: Server, n: int, timeout: float = 10.0) -> dict:
+    """Wait until /ping (a snapshot up to a second old) shows `n` requests running."""
+    return wait_for(lambda: (state := ping(server))["running"] == n and state, timeout, f"{n} running request(s)")
+
+
 def wait_idle(server: Server, timeout: float = 10.0) -> dict:
     """Wait until the engine has nothing running or waiting; its last /ping body."""
     deadline = time.monotonic() + timeout

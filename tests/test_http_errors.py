@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 
 import pytest
 
 from engines.config import ENGINE_DYNAMIC, LmiConfig, ModelConfig, SchedulerConfig
 from engines.endpoint import EngineEndpoint
 from engines.protocol import STATE_LOADING, STATE_READY, Abort, HealthReply, Output, engine_socket_path
-from handlers.app import Service, build_app
+from handlers.app import PING_SNAPSHOT_AGE_S, Service, build_app
 from handlers.engine_client import EngineClient
 from handlers.tokenizer import TextTokenizer
 
@@ -92,7 +93,11 @@ def test_ping_and_invocations_are_503_while_loading(app_and_engine):
     client, engine = app_and_engine
     engine.state = STATE_LOADING
     try:
-        ping = client.get("/ping")
+        # /ping answers from a snapshot at most PING_SNAPSHOT_AGE_S old
+        deadline = time.monotonic() + 2 * PING_SNAPSHOT_AGE_S
+        while (ping := client.get("/ping")).status_code == 200:
+            assert time.monotonic() < deadline, "/ping still 200 after the engine stopped being ready"
+            time.sleep(0.05)
         assert ping.status_code == 503 and ping.get_json()["status"] == "loading"
         resp = client.post("/invocations", json={"inputs": "hello"})
         assert resp.status_code == 503 and "not ready" in resp.get_json()["error"]
@@ -103,8 +108,6 @@ def test_ping_and_invocations_are_503_while_loading(app_and_engine):
 
 
 def test_ping_is_503_fast_when_the_engine_is_gone(tiny_model):
-    import time
-
     run_dir = tempfile.mkdtemp(prefix="lmi-test-")  # nobody listens on this socket
     config = LmiConfig(model=ModelConfig(local_dir=str(tiny_model)))
     app = build_app(Service(config, EngineClient(engine_socket_path(run_dir)), TextTokenizer(str(tiny_model))))

@@ -93,3 +93,13 @@ def test_a_request_larger_than_the_whole_cache_is_refused_with_507(server):
     resp = server.post({"inputs": "The river", "parameters": {"max_new_tokens": 900}})
     assert resp.status_code == 507 and "cannot be served" in resp.json()["error"]
     assert requests.get(server.url + "/ping").status_code == 200
+
+
+def test_a_stream_refused_before_its_first_token_gets_its_real_status(server):
+    # 37 blocks hold 592 tokens: ~500 + 300 fits the model's length but can never fit the cache
+    prompt = " ".join(corpus_lines())[:2000]
+    resp = requests.post(server.url + "/invocations", json={"inputs": prompt, "stream": True, "parameters": {
+        "max_new_tokens": 300}}, stream=True, timeout=30)
+    assert resp.status_code == 507, resp.text
+    assert resp.headers["Content-Type"] == "application/json"
+    assert resp.json()["code"] == 507 and "cannot be served" in resp.json()["error"]

@@ -11,7 +11,7 @@ import pytest
 import requests
 
 from container.model_maker import corpus_lines, make_model
-from tests.support import hf_oracle, ids_of, ping, running_server, wait_idle
+from tests.support import hf_oracle, ids_of, ping, running_server, wait_idle, wait_running
 
 PROPERTIES = """
 engine=Python
@@ -138,7 +138,7 @@ def test_a_disconnected_stream_is_aborted_within_a_step(server):
     resp = requests.post(server.url + "/invocations", json={"inputs": "The", "stream": True, "parameters": {
         "max_new_tokens": 1000, "ignore_eos": True}}, stream=True, timeout=30)
     next(resp.iter_lines())
-    assert ping(server)["running"] == 1
+    wait_running(server, 1)
     resp.close()
     wait_idle(server, timeout=3)
 
@@ -149,10 +149,7 @@ def test_a_disconnected_plain_request_is_aborted(server):
     sock = socket.create_connection(("127.0.0.1", server.port))
     sock.sendall(b"POST /invocations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-    deadline = time.monotonic() + 10
-    while ping(server)["running"] != 1:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    wait_running(server, 1)
     sock.close()
     wait_idle(server, timeout=3)
 

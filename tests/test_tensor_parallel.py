@@ -16,7 +16,7 @@ from engines.config import ENGINE_PAGED, ENGINE_ROLLING, LmiConfig, ModelConfig,
 from engines.protocol import Add
 from engines.sampling_params import SamplingParams
 from tests.test_lifecycle import _alive, _cmdline, _descendants
-from tests.support import hf_oracle, ids_of
+from tests.support import hf_oracle, ids_of, wait_for
 
 ENGINES = {"scheduler": ENGINE_ROLLING, "lmi-dist": ENGINE_PAGED}
 SAMPLED = SamplingParams(max_new_tokens=16, do_sample=True, temperature=1.3, top_k=50, seed=77)
@@ -61,7 +61,8 @@ def single_rank_tokens(model_dir, kind: str, prompt: list[int], params: Sampling
 @pytest.mark.parametrize("rolling_batch", list(ENGINES))
 def test_tp2_equals_tp1_token_for_token(model, rolling_batch, start_server):
     server = start_server(properties(rolling_batch), model)
-    assert "rank 1 ready" in server.log()
+    # mpirun forwards a rank's output on its own schedule: wait for the line, do not race it
+    wait_for(lambda: "rank 1 ready" in server.log(), 10, "rank 1's ready line")
     oracle = hf_oracle(model)  # HF generate = our TP=1 output (tests/test_server_*.py)
     with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
         bodies = list(pool.map(lambda p: server.post({"inputs": p, "parameters": {
@@ -119,3 +120,35 @@ def test_killing_rank_1_turns_ping_503_and_stops_the_server(tiny_model, start_se
     assert server.proc.wait(timeout=10) != 0
     assert time.monotonic() - killed < 10
     assert _alive(group) == [], [_cmdline(p) for p in _alive(group)]
+
+
+def test_a_failed_step_at_tp2_turns_ping_503_at_once_and_stops_the_server(tiny_model, start_server):
+    """A step that fails on rank 0 leaves the ranks out of step: the engine must say so and go down,
+    not keep answering /ping 200 until the watchdog fires."""
+    from handlers.engine_client import EngineClient
+    from engines.protocol import engine_socket_path
+
+    server = start_server(properties("lmi-dist"), tiny_model)
+    (engine,) = [p for p in _descendants(server.proc.pid) if "engines.serve" in _cmdline(p)
+                 and "mpirun" not in _cmdline(p).split()[0]][:1]
+    run_dir = _cmdline(engine).split("--run-dir ", 1)[1].split()[0]
+    # sampling fails on rank 0 only (top_n_tokens beyond the vocabulary), after rank 1 ran the forward
+    client = EngineClient(engine_socket_path(run_dir))
+    outputs = client.add(Add("boom", [1, 2, 3], SamplingParams(max_new_tokens=4, top_n_tokens=10**6)))
+    out = outputs.get(timeout=30)
+    failed = time.monotonic()
+    assert out.error_code == 424 and out.finished
+    saw_503 = None
+    while time.monotonic() - failed < 2.0:
+        try:
+            if requests.get(server.url + "/ping", timeout=2).status_code == 503:
+                saw_503 = time.monotonic() - failed
+                break
+        except requests.ConnectionError:  # already gone: also not 200
+            saw_503 = time.monotonic() - failed
+            break
+        time.sleep(0.05)
+    assert saw_503 is not None and saw_503 < 1.5, saw_503
+    assert server.proc.wait(timeout=10) != 0
+    assert time.monotonic() - failed < 10
+    assert "step 1 failed with tensor parallelism" in server.log()
