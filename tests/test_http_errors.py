@@ -6,6 +6,7 @@ refuses (503 queue full) or echoes the prompt back. The Flask app is the real on
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import time
@@ -56,7 +57,8 @@ def app_and_engine(tiny_model):
     endpoint.start()
     config = LmiConfig(model=ModelConfig(local_dir=str(tiny_model)),
                        scheduler=SchedulerConfig(engine_kind=ENGINE_DYNAMIC, predict_timeout_s=1.0))
-    app = build_app(Service(config, EngineClient(engine_socket_path(run_dir)), tokenizer))
+    engine.client = EngineClient(engine_socket_path(run_dir))
+    app = build_app(Service(config, engine.client, tokenizer))
     yield app.test_client(), engine
     endpoint.close()
     os.rmdir(run_dir) if not os.listdir(run_dir) else None
@@ -115,3 +117,19 @@ def test_ping_is_503_fast_when_the_engine_is_gone(tiny_model):
     resp = app.test_client().get("/ping")
     assert resp.status_code == 503 and resp.get_json()["engine"] == "not responding"
     assert time.monotonic() - started < 2.0
+
+
+def test_a_stream_refused_before_its_first_token_is_a_503_with_retry_after(app_and_engine, tiny_model):
+    """The status line waits for the first token: a refused stream is not a 200 with an error line."""
+    from engines.config import ENGINE_PAGED
+
+    _, engine = app_and_engine
+    config = LmiConfig(model=ModelConfig(local_dir=str(tiny_model)),
+                       scheduler=SchedulerConfig(engine_kind=ENGINE_PAGED, predict_timeout_s=1.0))
+    streaming = build_app(Service(config, engine.client, TextTokenizer(str(tiny_model)))).test_client()
+    resp = streaming.post("/invocations", json={"inputs": "busy now", "stream": True})
+    assert resp.status_code == 503 and resp.headers["Retry-After"] == "1"
+    assert resp.get_json() == {"code": 503, "type": "ServiceUnavailable", "error": "fake engine says 503"}
+    ok = streaming.post("/invocations", json={"inputs": "The river", "stream": True})
+    assert ok.status_code == 200 and ok.mimetype == "application/jsonlines"
+    assert json.loads(ok.get_data(as_text=True).splitlines()[-1])["generated_text"] == "The river"
