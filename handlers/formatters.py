@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import logging
 from typing import Iterator
 
 from handlers.errors import HttpError
 from handlers.generation import ClientGone, Generation
 from handlers.schemas import GenerationRequest
+
+log = logging.getLogger(__name__)
 
 JSONLINES = "application/jsonlines"
 SSE = "text/event-stream"
@@ -72,7 +75,10 @@ def stream_lines(gen: Generation, req: GenerationRequest, deadline: float, sse: 
     except HttpError as err:
         if not started:
             raise
+        log.info("[%s] stream ended after %d tokens: %d %s", gen.request_id, gen.num_generated_tokens, err.code,
+                 err.message)
         yield line(err.body())
     except ClientGone:
         if not started:
             raise
+        log.info("[%s] client disconnected after %d tokens: stream aborted", gen.request_id, gen.num_generated_tokens)

@@ -50,12 +50,16 @@ class StopFilter:
 
 
 def client_gone(sock: socket.socket | None) -> bool:
-    """True when the peer closed the connection (readable with nothing to read)."""
+    """True when the peer closed the connection (readable, and a peek finds the end of the stream)
+    or broke it. A readable socket with nothing to read after all (select(2) may say so spuriously)
+    is not gone."""
     if sock is None:
         return False
     try:
         readable, _, _ = select.select([sock], [], [], 0)
         return bool(readable) and sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (BlockingIOError, InterruptedError):
+        return False
     except (OSError, ValueError):
         return True
 

@@ -56,8 +56,12 @@ def test_greedy_under_concurrency_with_chunking_and_preemption_equals_hf(server,
         bodies = [r.json() for r in pool.map(send, range(20))]
     for i, body in enumerate(bodies):
         assert ids_of(body) == hf(PROMPTS[i], MAX_NEW[i]), i
-    m = metrics(server)
-    assert m["lmi_preemptions_total"] > 0  # the cache was small enough to force preemption
+    # all 20 at once (one list request: however slow the client, they arrive together), long enough
+    # that 8 running rows need more than the 37 blocks: preemption is certain
+    before = metrics(server)["lmi_preemptions_total"]
+    burst = server.post({"inputs": PROMPTS, "parameters": {"max_new_tokens": 60, "details": True}}).json()
+    assert [ids_of(b) for b in burst] == [hf(p, 60) for p in PROMPTS]
+    assert metrics(server)["lmi_preemptions_total"] > before  # the cache was small enough to force preemption
     wait_idle(server)
     m = metrics(server)
     assert m["lmi_kv_cache_free_blocks"] == m["lmi_kv_cache_blocks"] == 37  # every block free again

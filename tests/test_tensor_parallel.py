@@ -93,6 +93,18 @@ def _rank_pids(launcher_pid: int) -> dict[int, int]:
     return ranks
 
 
+def _seconds_until_ping_is_503(server, since: float, limit: float, gone_counts: bool = False) -> float | None:
+    """Seconds from `since` until /ping answered 503 (or, with gone_counts, refused the connection)."""
+    while time.monotonic() - since < limit:
+        try:
+            if requests.get(server.url + "/ping", timeout=2).status_code == 503:
+                return time.monotonic() - since
+        except requests.ConnectionError:
+            return time.monotonic() - since if gone_counts else None
+        time.sleep(0.05)
+    return None
+
+
 def test_killing_rank_1_turns_ping_503_and_stops_the_server(tiny_model, start_server):
     server = start_server(properties("scheduler"), tiny_model)
     group = _descendants(server.proc.pid)
@@ -105,15 +117,7 @@ def test_killing_rank_1_turns_ping_503_and_stops_the_server(tiny_model, start_se
         time.sleep(0.3)
         os.kill(ranks[1], signal.SIGKILL)
         killed = time.monotonic()
-        saw_503 = None
-        while time.monotonic() - killed < 2.0:
-            try:
-                if requests.get(server.url + "/ping", timeout=2).status_code == 503:
-                    saw_503 = time.monotonic() - killed
-                    break
-            except requests.ConnectionError:
-                break
-            time.sleep(0.05)
+        saw_503 = _seconds_until_ping_is_503(server, killed, limit=2.0)
         assert saw_503 is not None and saw_503 < 2.0
         resp = pending.result(timeout=10)
     assert resp.status_code == 424, resp.text
@@ -138,16 +142,7 @@ def test_a_failed_step_at_tp2_turns_ping_503_at_once_and_stops_the_server(tiny_m
     out = outputs.get(timeout=30)
     failed = time.monotonic()
     assert out.error_code == 424 and out.finished
-    saw_503 = None
-    while time.monotonic() - failed < 2.0:
-        try:
-            if requests.get(server.url + "/ping", timeout=2).status_code == 503:
-                saw_503 = time.monotonic() - failed
-                break
-        except requests.ConnectionError:  # already gone: also not 200
-            saw_503 = time.monotonic() - failed
-            break
-        time.sleep(0.05)
+    saw_503 = _seconds_until_ping_is_503(server, failed, limit=2.0, gone_counts=True)
     assert saw_503 is not None and saw_503 < 1.5, saw_503
     assert server.proc.wait(timeout=10) != 0
     assert time.monotonic() - failed < 10
