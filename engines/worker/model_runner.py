@@ -73,6 +73,16 @@ class ModelRunner:
 
     # -- forwards ---------------------------------------------------------------------------------
     @torch.inference_mode()
+    def profile_peak_bytes(self, num_tokens: int) -> int:
+        """CUDA: the memory peak of a prefill of `num_tokens` tokens above what is held now (its
+        activations and its own KV, freed again) — what the KV cache must leave free."""
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        logits, cache = self.prefill([[self.pad_token_id] * num_tokens])
+        del logits, cache
+        return torch.cuda.max_memory_allocated(self.device) - before
+
+    @torch.inference_mode()
     def prefill(self, prompts: list[list[int]]) -> tuple[torch.Tensor, PaddedKVCache]:
         """A new left-padded batch from prompts → (last-token logits [n, V], its cache)."""
         width = max(len(p) for p in prompts)

@@ -36,8 +36,11 @@ class PagedEngine(EngineLoop):
         self.runner.load()
         sched = self.config.scheduler
         block_bytes = sched.kv_block_size * self.runner.kv_bytes_per_token
-        num_blocks = max(kv_budget_bytes(sched, self.runner.device, self.comm.world_size) // block_bytes, 1)
         self.paged = Mirrored(PagedRunner(self.runner), self.comm)
+        tokens = min(sched.max_num_batched_tokens, self.max_model_len)
+        budget = kv_budget_bytes(sched, self.runner, self.comm.world_size,
+                                 lambda: self.paged.call("profile_peak_bytes", tokens), sched.kv_block_size)
+        num_blocks = max(budget // block_bytes, 1)
         self.paged.call("allocate", num_blocks, sched.kv_block_size)
         self.blocks = BlockManager(num_blocks, sched.kv_block_size, sched.enable_prefix_caching)
         self.scheduler = Scheduler(sched.max_num_seqs, sched.max_num_batched_tokens, self.blocks, self.max_model_len)

@@ -61,9 +61,11 @@ class RollingEngine(EngineLoop):
 
     def load(self) -> None:
         self.runner.load()
-        budget = kv_budget_bytes(self.config.scheduler, self.runner.device, self.comm.world_size)
-        per_token = self.runner.kv_bytes_per_token
         sched = self.config.scheduler
+        tokens = min(sched.max_num_batched_tokens, self.runner.max_model_len)
+        budget = kv_budget_bytes(sched, self.runner, self.comm.world_size,
+                                 lambda: self.batch.call("profile_peak_bytes", tokens))
+        per_token = self.runner.kv_bytes_per_token
         self.limits = AdmissionLimits(sched.max_num_seqs, sched.max_num_batched_tokens, budget // per_token)
         log.info("KV cache budget: %d bytes = %d token slots (%d bytes per token); max_num_seqs %d, "
                  "max_num_batched_tokens %d", budget, self.limits.max_kv_tokens, per_token,
