@@ -165,7 +165,7 @@ def plan(shape: ModelShape, machine: Machine, work: Workload) -> Plan:
     seqs = kv_tokens // work.sequence_tokens if work.sequence_tokens else 0
     return Plan(shape, machine, work, figures["usable"], figures["weights"], figures["headroom"],
                 figures["per_token"], figures["kv"], kv_tokens, seqs, smallest, problems,
-                _notes(work, kv_tokens, seqs) if not problems else [])
+                _notes(machine, work, kv_tokens, seqs) if not problems else [])
 
 
 def _figures(shape: ModelShape, machine: Machine, work: Workload, tp: int) -> dict[str, int]:
@@ -200,17 +200,25 @@ def _problems(machine: Machine, work: Workload, f: dict[str, int]) -> list[str]:
         return [f"does not fit: the weights need {gib(f['weights'])} per rank in {work.dtype} at "
                 f"tensor_parallel_degree={tp} (+ {gib(f['headroom'])} headroom), but {where}; raise "
                 "option.tensor_parallel_degree or use a bigger instance"]
-    if f["kv_tokens"] < work.max_model_len:
-        return [f"does not fit: the KV cache holds {f['kv_tokens']:,} tokens per rank, less than one "
-                f"sequence of max_model_len={work.max_model_len:,}; set option.max_model_len to "
-                f"{f['kv_tokens']:,} or less, or free memory (option.max_rolling_batch_prefill_tokens, "
-                "option.tensor_parallel_degree" + (", option.gpu_memory_utilization)" if machine.is_gpu
-                                                   else ", option.kv_cache_memory)")]
+    if f["kv_tokens"] < work.max_model_len and not _is_explicit_kv(machine, work):
+        fix = ("make room: option.gpu_memory_utilization, option.tensor_parallel_degree, "
+               "option.max_rolling_batch_prefill_tokens" if machine.is_gpu else "set option.kv_cache_memory")
+        return [f"does not fit: the KV cache holds {f['kv_tokens']:,} tokens per rank, less than one sequence of "
+                f"max_model_len={work.max_model_len:,}; set option.max_model_len to {f['kv_tokens']:,} or less, "
+                f"or {fix}"]
     return []
 
 
-def _notes(work: Workload, kv_tokens: int, seqs: int) -> list[str]:
+def _is_explicit_kv(machine: Machine, work: Workload) -> bool:
+    """An option.kv_cache_memory the user chose is served as asked (longer requests get 507)."""
+    return not machine.is_gpu and work.kv_cache_bytes is not None
+
+
+def _notes(machine: Machine, work: Workload, kv_tokens: int, seqs: int) -> list[str]:
     notes = []
+    if kv_tokens < work.max_model_len and _is_explicit_kv(machine, work):
+        notes.append(f"option.kv_cache_memory holds {kv_tokens:,} tokens, less than one sequence of max_model_len="
+                     f"{work.max_model_len:,}: longer requests are refused with 507")
     if seqs < work.max_num_seqs:
         notes.append(f"option.max_rolling_batch_size={work.max_num_seqs} cannot be reached: {seqs} sequences of "
                      f"{work.sequence_tokens:,} tokens fit; set it to {seqs} or shorten the sequences")

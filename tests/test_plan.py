@@ -139,9 +139,9 @@ def test_a_kv_cache_shorter_than_one_sequence_does_not_fit(shapes):
     # int(30 GiB · 0.9) = 28,991,029,248 − 26,031,728,640 − 1,229,783,040 = 1,729,517,568 // 819,200 = 2,111 → 2,096
     assert p.kv_tokens == 2_096
     assert p.problems == ["does not fit: the KV cache holds 2,096 tokens per rank, less than one sequence of "
-                          "max_model_len=4,096; set option.max_model_len to 2,096 or less, or free memory "
-                          "(option.max_rolling_batch_prefill_tokens, option.tensor_parallel_degree, "
-                          "option.gpu_memory_utilization)"]
+                          "max_model_len=4,096; set option.max_model_len to 2,096 or less, or make room: "
+                          "option.gpu_memory_utilization, option.tensor_parallel_degree, "
+                          "option.max_rolling_batch_prefill_tokens"]
 
 
 def test_tp_must_divide_the_heads(shapes):
@@ -229,3 +229,12 @@ def test_lmi_help_lists_every_command():
     out = lmi("--help").stdout
     for command in ("serve", "config", "plan", "make-model"):
         assert f"\n    {command}" in out, out
+
+
+def test_an_explicit_cpu_kv_cache_is_served_as_asked_with_a_note(tiny_model):
+    shape = read_model_shape(str(tiny_model))
+    p = plan(shape, Machine("16 GiB RAM", 0, 16 * GIB), workload(shape, 1, dtype="fp32", kv_cache_bytes=300 * 1024))
+    # 307,200 bytes // 512 bytes per token (fp32) = 600 tokens → 37 whole blocks of 16 = 592
+    assert p.fits and p.kv_tokens == 592
+    assert p.notes[0] == ("option.kv_cache_memory holds 592 tokens, less than one sequence of max_model_len=1,024: "
+                          "longer requests are refused with 507")
