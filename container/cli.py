@@ -6,11 +6,13 @@ import argparse
 import logging
 import os
 import sys
+import time
 
 from container import config as cfgmod
 from container.artifacts import ArtifactError, resolve_model
 from container.keys import ConfigError
 from container.properties import PropertiesError, read_properties
+from engines.startup import TIMELINE, process_age
 
 log = logging.getLogger("container.cli")
 
@@ -35,12 +37,18 @@ def _resolve(args) -> cfgmod.ResolvedConfig:
 def cmd_serve(args) -> int:
     from container.launcher import Launcher
 
+    TIMELINE.record("imports", process_age(), "interpreter and launcher modules")
+    started = time.perf_counter()
     resolved = _resolve(args)
-    local_dir = resolve_model(resolved["option.model_id"], args.model_dir, revision=resolved["option.revision"],
-                              download_dir=resolved["download_dir"] or cfgmod.default_download_dir(os.environ))
+    configuring = time.perf_counter() - started
+    with TIMELINE.phase("model_resolve"):
+        local_dir = resolve_model(resolved["option.model_id"], args.model_dir, revision=resolved["option.revision"],
+                                  download_dir=resolved["download_dir"] or cfgmod.default_download_dir(os.environ))
+    started = time.perf_counter()
     config = cfgmod.build(resolved, local_dir=local_dir, architecture=cfgmod.read_architecture(local_dir),
                           num_gpus=cfgmod.count_gpus(os.environ), num_cpus=os.cpu_count() or 1,
                           port=cfgmod.resolve_port(args.port, os.environ))
+    TIMELINE.record("configuration", configuring + time.perf_counter() - started, "serving.properties, environment")
     log.info("configuration:\n  %s", "\n  ".join(cfgmod.describe(resolved)))
     log.info("engine: %s, model: %s", config.scheduler.engine_kind, local_dir)
     log.info("listening on http://%s:%d (/ping, /invocations, /v1/chat/completions, /metrics)",

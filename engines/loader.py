@@ -32,6 +32,11 @@ def torch_dtype(name: str, hf_config) -> torch.dtype:
     return getattr(torch, str(declared or "float32").replace("torch.", ""), torch.float32)
 
 
+def parameter_bytes(model: torch.nn.Module) -> int:
+    """Bytes of a model's parameters (on this rank)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def checkpoint_files(model_dir: str) -> list[str]:
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.isfile(index):

@@ -141,26 +141,25 @@ class EngineLoop(abc.ABC):
             raise FatalStepError(f"step {self.num_steps} failed with tensor parallelism: {exc}") from exc
 
 
-def kv_budget_bytes(sched: SchedulerConfig, runner, num_ranks: int, profile, block_size: int = 1) -> int:
+def kv_budget_bytes(sched: SchedulerConfig, runner, num_ranks: int, activation_peak: int, block_size: int = 1) -> int:
     """KV cache memory of one rank.
 
-    CUDA: what gpu_memory_utilization of the GPU leaves after the weights and the activation peak of
-    a profiling forward (`profile()` → bytes; every rank runs it). CPU: option.kv_cache_memory
+    CUDA: what gpu_memory_utilization of the GPU leaves after the weights and `activation_peak`, the
+    memory peak of the profiling forward (ModelRunner.warm_up, which every rank runs). CPU: option.kv_cache_memory
     (bytes, or a fraction of available RAM) shared by the ranks, which all live in this machine's
     RAM; unset, what max_num_seqs sequences of max_model_len tokens need (engines/memory_plan.py)."""
     if runner.device.type == "cuda":
-        return cuda_kv_budget_bytes(sched, runner.device, profile)
+        return cuda_kv_budget_bytes(sched, runner.device, activation_peak)
     if sched.kv_cache_memory:
         return memory_bytes(sched.kv_cache_memory, available_ram()) // num_ranks
     return cpu_kv_budget_bytes(runner.kv_bytes_per_token, sched.max_num_seqs, runner.max_model_len,
                                available_ram(), num_ranks, block_size)
 
 
-def cuda_kv_budget_bytes(sched: SchedulerConfig, device: torch.device, profile) -> int:
+def cuda_kv_budget_bytes(sched: SchedulerConfig, device: torch.device, peak: int) -> int:
     """total × gpu_memory_utilization − what is held now (weights, CUDA context) − the measured
     activation peak of a forward at max_num_batched_tokens (as vLLM sizes its cache)."""
     torch.cuda.synchronize(device)
-    peak = profile()
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     budget = max(int(total * sched.gpu_memory_utilization) - (total - free) - peak, 0)

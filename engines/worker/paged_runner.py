@@ -41,8 +41,8 @@ class PagedRunner:
         self.block_size = block_size
         self.cache = PagedKVCache(r.num_layers, num_blocks, block_size, r.num_kv_heads, r.head_dim, r.dtype, r.device)
 
-    def profile_peak_bytes(self, num_tokens: int) -> int:
-        return self.runner.profile_peak_bytes(num_tokens)
+    def warm_up(self, num_tokens: int) -> int:
+        return self.runner.warm_up(num_tokens)
 
     def apply_plan(self, plan: SchedulerOutput) -> None:
         """Take in what changed: finished/preempted requests, new ones, new blocks."""
