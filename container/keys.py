@@ -132,7 +132,8 @@ KEYS: tuple[Key, ...] = (
     Key("option.predict_timeout", integer(1), 240, "seconds one engine step may take"),
     Key("option.gpu_memory_utilization", number(0.0, 1.0, low_open=True), 0.9, "GPU memory fraction for weights + KV cache"),
     Key("option.kv_cache_memory", memory_amount, None,
-        "CPU KV cache: bytes or a fraction of free RAM (unset: 0.25 of available RAM)"),
+        "CPU KV cache: bytes or a fraction of free RAM (unset: what max_rolling_batch_size sequences of "
+        "max_model_len need, at most 0.25 of available RAM)"),
     Key("option.kv_block_size", integer(1), 16, "tokens per paged KV block"),
     Key("option.enable_prefix_caching", boolean, False, "reuse KV blocks of shared prompt prefixes"),
     Key("option.enforce_eager", boolean, False, "no CUDA graphs / torch.compile"),
