@@ -142,7 +142,8 @@ def cmd_make_model(args) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="lmi", description="lmi-serve: LMI-style LLM inference server")
+    p = argparse.ArgumentParser(prog="lmi", description="lmi-serve: LMI-style LLM inference server",
+                                formatter_class=_CommandListFormatter)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, fn, what in COMMANDS:
         s = sub.add_parser(name, help=what, description=what)
@@ -167,6 +168,18 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+class _CommandListFormatter(argparse.HelpFormatter):
+    """Every command and its description on one line (argparse measures sub-commands without
+    their indent, so a long name like make-model would get a line of its own)."""
+
+    def __init__(self, prog: str):
+        super().__init__(prog, max_help_position=24, width=100)
+
+    def add_argument(self, action) -> None:
+        super().add_argument(action)
+        self._action_max_length = max(self._action_max_length, len("    make-model") + 2)
+
+
 def _plan_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("model", nargs="?", help="a model directory or hub id (default: option.model_id or --model-dir)")
     machine = s.add_mutually_exclusive_group()
@@ -180,11 +193,11 @@ def _plan_arguments(s: argparse.ArgumentParser) -> None:
 
 
 COMMANDS = (
-    ("serve", cmd_serve, "start the server: the engine (mpirun for engine=MPI) and the gunicorn HTTP workers"),
+    ("serve", cmd_serve, "start the server: the engine (under mpirun for engine=MPI) and the HTTP workers"),
     ("config", cmd_config, "print the resolved configuration, where each value came from, and the engine"),
-    ("plan", cmd_plan, "the memory plan (weights, KV cache, sequences that fit) without loading weights"),
+    ("plan", cmd_plan, "will it fit? weights, KV cache and sequences per rank, without loading weights"),
 )
-MAKE_MODEL = "write a random-weight model + a tokenizer trained on local text (safetensors)"
+MAKE_MODEL = "write a random-weight model and a tokenizer trained on local text, as safetensors"
 
 
 def main(argv: list[str] | None = None) -> int:

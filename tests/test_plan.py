@@ -227,8 +227,9 @@ def test_lmi_plan_command(tmp_path):
 
 def test_lmi_help_lists_every_command():
     out = lmi("--help").stdout
-    for command in ("serve", "config", "plan", "make-model"):
-        assert f"\n    {command}" in out, out
+    listed = {line.split()[0]: line for line in out.splitlines() if line.startswith("    ") and line.split()}
+    assert list(listed) == ["serve", "config", "plan", "make-model"], out
+    assert all(len(line.split(maxsplit=1)) == 2 for line in listed.values()), out  # a one-line description each
 
 
 def test_an_explicit_cpu_kv_cache_is_served_as_asked_with_a_note(tiny_model):
