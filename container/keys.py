@@ -138,6 +138,9 @@ KEYS: tuple[Key, ...] = (
     Key("option.enable_prefix_caching", boolean, False, "reuse KV blocks of shared prompt prefixes"),
     Key("option.enforce_eager", boolean, False, "no CUDA graphs / torch.compile"),
     Key("option.max_new_tokens", integer(1), 30, "default max_new_tokens of a request"),
+    Key("option.load_cache_dir", text, None,
+        "directory for a load-optimised copy of each rank's weights: written on the first start, read on later "
+        "ones (native models)"),
     Key("option.quantize", text, None, "quantization method (not supported yet: refused at start)"),
 )
 

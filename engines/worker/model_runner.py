@@ -41,7 +41,8 @@ class ModelRunner:
         self.dtype = torch_dtype(self.config.dtype, hf)
         cls = None if self.config.trust_remote_code else model_class(arch)
         if cls is not None:
-            self.model = build_model(cls, hf, self.comm, self.dtype, self.device, self.max_model_len)
+            self.model = build_model(cls, hf, self.comm, self.dtype, self.device, self.max_model_len,
+                                     load_cache_dir=self.config.load_cache_dir)
             self.num_layers = hf.num_hidden_layers
             self.num_kv_heads, self.head_dim = self.model.num_kv_heads, self.model.head_dim
             self.is_native = True
