@@ -68,8 +68,8 @@ class ModelShape:
     def weight_bytes_per_rank(self, tp: int, dtype_bytes: int) -> int:
         kv_proj = self.num_layers * 2 * self.hidden_size * self.head_dim  # per KV head
         sharded = self.num_parameters - self.replicated_parameters - kv_proj * self.num_kv_heads
-        local = math.ceil(sharded / tp) + self.replicated_parameters + kv_proj * local_kv_heads(self.num_kv_heads, tp)[0]
-        return local * dtype_bytes
+        kv_local = local_kv_heads(self.num_kv_heads, tp)[0]
+        return (math.ceil(sharded / tp) + self.replicated_parameters + kv_proj * kv_local) * dtype_bytes
 
     def kv_bytes_per_token(self, tp: int, dtype_bytes: int) -> int:
         """K and V of one token over all layers, on one rank."""

@@ -17,8 +17,8 @@ PROMPTS = [[1, 5, 6, 7, 8, 9], [1, 20, 21]]
 
 
 def load(model_dir, cache_dir=None) -> ModelRunner:
-    runner = ModelRunner(ModelConfig(local_dir=str(model_dir), dtype="fp32", load_cache_dir=cache_dir and str(cache_dir)),
-                         1024)
+    config = ModelConfig(local_dir=str(model_dir), dtype="fp32", load_cache_dir=cache_dir and str(cache_dir))
+    runner = ModelRunner(config, 1024)
     runner.load()
     return runner
 

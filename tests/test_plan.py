@@ -64,7 +64,8 @@ def test_parameters_counted_from_the_config(shapes):
 # 16); usable = int(GiB·0.9); headroom = 1 GiB + 1024·2·(2H + (2·heads/TP + 2·kv/TP)·hd + 3·I/TP) + 2·32·V·4;
 # KV tokens = (usable − weights − headroom) // per token // 16 · 16; None: does not fit.
 FIGURES = [
-    # weights/rank = (P − norms − L·2·H·hd·kv)/TP + norms + L·2·H·hd·kv_local, × 2 bytes; kv/token = 2·L·kv_local·hd·2
+    # weights/rank = (P − norms − L·2·H·hd·kv)/TP + norms + L·2·H·hd·kv_local, × 2 bytes;
+    # kv/token = 2·L·kv_local·hd·2
     ("llama-2-7b", 1, "ml.g5.12xlarge", 13_476_831_232, 524_288, 16_240),
     ("llama-2-7b", 2, "ml.g5.12xlarge", 6_738_681_856, 262_144, 58_368),
     ("llama-2-7b", 4, "ml.g5.12xlarge", 3_369_607_168, 131_072, 142_656),
@@ -136,7 +137,8 @@ def test_a_kv_cache_shorter_than_one_sequence_does_not_fit(shapes):
     # usable int(28 GiB · 0.9) = 27,058,293,964; − 26,031,728,640 − 1,229,783,040 < 0: no KV at all
     assert p.kv_tokens == 0 and p.problems[0].startswith("does not fit: the weights need")
     p = plan(shape, Machine("1 x 30 GiB", 1, 30 * GIB), workload(shape, 1))
-    # int(30 GiB · 0.9) = 28,991,029,248 − 26,031,728,640 − 1,229,783,040 = 1,729,517,568 // 819,200 = 2,111 → 2,096
+    # int(30 GiB · 0.9) = 28,991,029,248 − 26,031,728,640 − 1,229,783,040 = 1,729,517,568;
+    # // 819,200 = 2,111 tokens → 2,096 in whole blocks
     assert p.kv_tokens == 2_096
     assert p.problems == ["does not fit: the KV cache holds 2,096 tokens per rank, less than one sequence of "
                           "max_model_len=4,096; set option.max_model_len to 2,096 or less, or make room: "
@@ -212,7 +214,8 @@ def test_lmi_plan_command(tmp_path):
     small = lmi("plan", "--properties", str(props), "--model-dir", str(model), "--instance", "ml.g5.12xlarge")
     assert small.returncode == 1, small.stderr
     assert "smallest tensor_parallel_degree that fits  none" in small.stdout
-    assert small.stdout.strip().splitlines()[-1].endswith("raise option.tensor_parallel_degree or use a bigger instance")
+    last = small.stdout.strip().splitlines()[-1]
+    assert last.startswith("plan: ") and last.endswith("raise option.tensor_parallel_degree or use a bigger instance")
     props.write_text("engine=MPI\noption.tensor_parallel_degree=8\n")
     big = lmi("plan", str(model), "--properties", str(props), "--gpus", "8", "--gpu-memory", "40", "--json")
     assert big.returncode == 0, big.stderr

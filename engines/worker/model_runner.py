@@ -86,7 +86,8 @@ class ModelRunner:
         if is_cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
             before = torch.cuda.memory_allocated(self.device)
-        logits, cache = self.prefill([[self.pad_token_id] * (num_tokens if is_cuda else min(num_tokens, CPU_WARM_UP_TOKENS))])
+        length = num_tokens if is_cuda else min(num_tokens, CPU_WARM_UP_TOKENS)
+        logits, cache = self.prefill([[self.pad_token_id] * length])
         del logits, cache
         return torch.cuda.max_memory_allocated(self.device) - before if is_cuda else 0
 
