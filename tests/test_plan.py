@@ -242,3 +242,12 @@ def test_an_explicit_cpu_kv_cache_is_served_as_asked_with_a_note(tiny_model):
     assert p.fits and p.kv_tokens == 592
     assert p.notes[0] == ("option.kv_cache_memory holds 592 tokens, less than one sequence of max_model_len=1,024: "
                           "longer requests are refused with 507")
+
+
+def test_a_hub_id_that_cannot_be_fetched_is_one_line(tmp_path):
+    result = lmi("plan", "nobody/no-such-model", "--instance", "ml.g5.xlarge",
+                 env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)})
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and errors[0].startswith(
+        "lmi plan: error: cannot fetch config.json of 'nobody/no-such-model' from the hub: "), errors
