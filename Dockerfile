@@ -39,6 +39,9 @@ RUN useradd --create-home --uid 1000 lmi \
  && mkdir -p /opt/ml/model /home/lmi/.cache/lmi-serve \
  && chown -R lmi:lmi /opt/ml /home/lmi/.cache
 USER lmi
+# the load-optimised weight cache (docs/planning.md): written on the first start, read on later
+# ones; option.load_cache_dir in serving.properties overrides it
+ENV OPTION_LOAD_CACHE_DIR=/home/lmi/.cache/lmi-serve/load-cache
 
 EXPOSE 8080
 LABEL com.amazonaws.sagemaker.capabilities.accept-bind-to-port=true

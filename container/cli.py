@@ -1,4 +1,4 @@
-"""`lmi serve | make-model | config`: the command line (console script `lmi`)."""
+"""`lmi serve | config | plan | make-model`: the command line (console script `lmi`)."""
 
 from __future__ import annotations
 
@@ -6,11 +6,13 @@ import argparse
 import logging
 import os
 import sys
+import time
 
 from container import config as cfgmod
 from container.artifacts import ArtifactError, resolve_model
 from container.keys import ConfigError
 from container.properties import PropertiesError, read_properties
+from engines.startup import TIMELINE, process_age
 
 log = logging.getLogger("container.cli")
 
@@ -35,15 +37,46 @@ def _resolve(args) -> cfgmod.ResolvedConfig:
 def cmd_serve(args) -> int:
     from container.launcher import Launcher
 
+    TIMELINE.record("imports", process_age(), "interpreter and launcher modules")
+    started = time.perf_counter()
     resolved = _resolve(args)
-    local_dir = resolve_model(resolved["option.model_id"], args.model_dir, revision=resolved["option.revision"],
-                              download_dir=resolved["download_dir"] or cfgmod.default_download_dir(os.environ))
+    configuring = time.perf_counter() - started
+    with TIMELINE.phase("model_resolve"):
+        local_dir = resolve_model(resolved["option.model_id"], args.model_dir, revision=resolved["option.revision"],
+                                  download_dir=resolved["download_dir"] or cfgmod.default_download_dir(os.environ))
+    started = time.perf_counter()
     config = cfgmod.build(resolved, local_dir=local_dir, architecture=cfgmod.read_architecture(local_dir),
                           num_gpus=cfgmod.count_gpus(os.environ), num_cpus=os.cpu_count() or 1,
                           port=cfgmod.resolve_port(args.port, os.environ))
+    TIMELINE.record("configuration", configuring + time.perf_counter() - started, "serving.properties, environment")
     log.info("configuration:\n  %s", "\n  ".join(cfgmod.describe(resolved)))
     log.info("engine: %s, model: %s", config.scheduler.engine_kind, local_dir)
+    log.info("listening on http://%s:%d (/ping, /invocations, /v1/chat/completions, /metrics)",
+             args.host, config.server.port)
+    problem = _check_plan(resolved, config)
+    if problem:
+        log.error("lmi-serve did not start: %s", problem)
+        return 2
     return Launcher(config, host=args.host).run()
+
+
+def _check_plan(resolved: cfgmod.ResolvedConfig, config) -> str | None:
+    """Log the memory plan's summary for this machine; the "does not fit" line when it cannot fit."""
+    from container import planner
+    from engines.memory_plan import plan
+
+    machine = planner.this_machine(cfgmod.count_gpus(os.environ))
+    try:
+        shape = planner.read_model_shape(config.model.local_dir, config.model.max_model_len)
+    except (OSError, ValueError) as exc:
+        log.warning("no memory plan: %s", exc)
+        return None
+    if machine is None:
+        log.warning("no memory plan: this machine's GPU memory is unknown (nvidia-smi did not answer)")
+        return None
+    result = plan(shape, machine, planner.workload(resolved, shape, machine, config.scheduler.engine_kind))
+    log.info("%s", planner.summary(result))
+    return result.problems[0] if result.problems else None
 
 
 def cmd_config(args) -> int:
@@ -69,6 +102,33 @@ def cmd_config(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    from container import instances, planner
+    from engines.memory_plan import Machine, available_ram, plan
+
+    resolved = _resolve(args)
+    model_dir = planner.config_dir(args.model or resolved["option.model_id"] or args.model_dir,
+                                   resolved["option.revision"])
+    shape = planner.read_model_shape(model_dir, resolved["option.max_model_len"])
+    if args.instance:
+        machine = instances.instance(args.instance)
+    elif args.gpus or args.gpu_memory:
+        if not (args.gpus and args.gpu_memory):
+            raise ValueError("--gpus and --gpu-memory go together (e.g. --gpus 4 --gpu-memory 24)")
+        machine = instances.gpus(args.gpus, args.gpu_memory)
+    elif args.cpu:
+        machine = Machine("this machine's RAM", 0, available_ram())
+    else:
+        machine = planner.this_machine(cfgmod.count_gpus(os.environ))
+        if machine is None:
+            raise ValueError("this machine's GPU memory is unknown: give --instance or --gpus N --gpu-memory GiB")
+    kind = cfgmod.select_engine(resolved, shape.architecture)
+    result = plan(shape, machine, planner.workload(resolved, shape, machine, kind, prompt_tokens=args.prompt_tokens,
+                                                   output_tokens=args.output_tokens))
+    print(planner.to_json(result) if args.json else "\n".join(planner.table(result)))
+    return 0 if result.fits else 1
+
+
 def cmd_make_model(args) -> int:
     from container.model_maker import make_model
 
@@ -82,16 +142,20 @@ def cmd_make_model(args) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="lmi", description="lmi-serve: LMI-style LLM inference server")
-    sub = p.add_subparsers(dest="command", required=True)
-    for name, fn in (("serve", cmd_serve), ("config", cmd_config)):
-        s = sub.add_parser(name)
+    p = argparse.ArgumentParser(prog="lmi", description="lmi-serve: LMI-style LLM inference server",
+                                formatter_class=_CommandListFormatter)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, fn, what in COMMANDS:
+        s = sub.add_parser(name, help=what, description=what)
         s.add_argument("--properties", help="serving.properties file (default: MODEL_DIR/serving.properties)")
         s.add_argument("--model-dir", help="model directory (default for option.model_id)")
-        s.add_argument("--port", type=int, help="port (default: SAGEMAKER_BIND_TO_PORT or 8080)")
-        s.add_argument("--host", default="0.0.0.0", help="address to bind (default 0.0.0.0)")
+        if name == "plan":
+            _plan_arguments(s)
+        else:
+            s.add_argument("--port", type=int, help="port (default: SAGEMAKER_BIND_TO_PORT or 8080)")
+            s.add_argument("--host", default="0.0.0.0", help="address to bind (default 0.0.0.0)")
         s.set_defaults(fn=fn)
-    m = sub.add_parser("make-model", help="a random-weight model + tokenizer trained on local text")
+    m = sub.add_parser("make-model", help=MAKE_MODEL, description=MAKE_MODEL)
     m.add_argument("out_dir")
     m.add_argument("--arch", default="llama", choices=("llama", "mistral", "qwen2", "gpt2"))
     m.add_argument("--size", default="tiny", choices=("tiny", "small"))
@@ -102,6 +166,38 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--hidden-size", type=int)
     m.set_defaults(fn=cmd_make_model)
     return p
+
+
+class _CommandListFormatter(argparse.HelpFormatter):
+    """Every command and its description on one line (argparse measures sub-commands without
+    their indent, so a long name like make-model would get a line of its own)."""
+
+    def __init__(self, prog: str):
+        super().__init__(prog, max_help_position=24, width=100)
+
+    def add_argument(self, action) -> None:
+        super().add_argument(action)
+        self._action_max_length = max(self._action_max_length, len("    make-model") + 2)
+
+
+def _plan_arguments(s: argparse.ArgumentParser) -> None:
+    s.add_argument("model", nargs="?", help="a model directory or hub id (default: option.model_id or --model-dir)")
+    machine = s.add_mutually_exclusive_group()
+    machine.add_argument("--instance", help="a SageMaker instance type, e.g. ml.g5.12xlarge")
+    machine.add_argument("--gpus", type=int, help="number of GPUs (with --gpu-memory)")
+    machine.add_argument("--cpu", action="store_true", help="plan for this machine's RAM")
+    s.add_argument("--gpu-memory", type=float, help="GiB per GPU (with --gpus)")
+    s.add_argument("--prompt-tokens", type=int, help="prompt length of a sequence (default: max_model_len - output)")
+    s.add_argument("--output-tokens", type=int, help="output length of a sequence (default: option.max_new_tokens)")
+    s.add_argument("--json", action="store_true", help="the plan as JSON, for tools")
+
+
+COMMANDS = (
+    ("serve", cmd_serve, "start the server: the engine (under mpirun for engine=MPI) and the HTTP workers"),
+    ("config", cmd_config, "print the resolved configuration, where each value came from, and the engine"),
+    ("plan", cmd_plan, "will it fit? weights, KV cache and sequences per rank, without loading weights"),
+)
+MAKE_MODEL = "write a random-weight model and a tokenizer trained on local text, as safetensors"
 
 
 def main(argv: list[str] | None = None) -> int:

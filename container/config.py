@@ -208,7 +208,8 @@ def build(cfg: ResolvedConfig, *, local_dir: str, architecture: str | None,
     dtype = cfg["option.dtype"] or ("fp16" if num_gpus else "bf16")
     model = ModelConfig(local_dir=local_dir, model_id=cfg["option.model_id"], revision=cfg["option.revision"],
                         dtype=dtype, trust_remote_code=cfg["option.trust_remote_code"],
-                        max_model_len=cfg["option.max_model_len"], quantize=cfg["option.quantize"])
+                        max_model_len=cfg["option.max_model_len"], quantize=cfg["option.quantize"],
+                        load_cache_dir=cfg["option.load_cache_dir"])
     scheduler = SchedulerConfig(
         engine_kind=kind, batch_size=cfg["batch_size"], max_batch_delay_ms=cfg["max_batch_delay"],
         job_queue_size=cfg["job_queue_size"], max_num_seqs=cfg["option.max_rolling_batch_size"],

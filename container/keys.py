@@ -132,11 +132,15 @@ KEYS: tuple[Key, ...] = (
     Key("option.predict_timeout", integer(1), 240, "seconds one engine step may take"),
     Key("option.gpu_memory_utilization", number(0.0, 1.0, low_open=True), 0.9, "GPU memory fraction for weights + KV cache"),
     Key("option.kv_cache_memory", memory_amount, None,
-        "CPU KV cache: bytes or a fraction of free RAM (unset: 0.25 of available RAM)"),
+        "CPU KV cache: bytes or a fraction of free RAM (unset: what max_rolling_batch_size sequences of "
+        "max_model_len need, at most 0.25 of available RAM)"),
     Key("option.kv_block_size", integer(1), 16, "tokens per paged KV block"),
     Key("option.enable_prefix_caching", boolean, False, "reuse KV blocks of shared prompt prefixes"),
     Key("option.enforce_eager", boolean, False, "no CUDA graphs / torch.compile"),
     Key("option.max_new_tokens", integer(1), 30, "default max_new_tokens of a request"),
+    Key("option.load_cache_dir", text, None,
+        "directory for a load-optimised copy of each rank's weights: written on the first start, read on later "
+        "ones (native models)"),
     Key("option.quantize", text, None, "quantization method (not supported yet: refused at start)"),
 )
 

@@ -28,6 +28,7 @@ import time
 
 from container.preflight import first_problem
 from engines.config import LmiConfig
+from engines.startup import TIMELINE, startup_path
 from engines.protocol import (draining_path, engine_socket_path, read_failure, ready_path, write_atomically,
                               write_failure)
 
@@ -73,6 +74,7 @@ class Launcher:
             return 2
         with open(os.path.join(self.run_dir, "config.json"), "wb") as f:
             f.write(self.config.to_json())
+        TIMELINE.write(startup_path(self.run_dir))  # the launcher's phases, for the engine to carry on
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         engine = self._spawn("engine", engine_command(self.config, self.run_dir))

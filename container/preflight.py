@@ -37,24 +37,35 @@ def check_tokenizer(model_dir: str) -> str | None:
     return None
 
 
+def read_safetensors_header(path: str) -> dict:
+    """The JSON header of a safetensors file (name -> dtype, shape, data_offsets); no tensor data is
+    read. ValueError when the file is not safetensors; OSError when it cannot be read."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise ValueError(f"it is only {len(raw)} bytes long")
+        (size,) = struct.unpack("<Q", raw)
+        if size > MAX_HEADER_BYTES:
+            raise ValueError(f"its header claims {size} bytes")
+        try:
+            header = json.loads(f.read(size))
+        except ValueError as exc:
+            raise ValueError(f"its header is not valid JSON ({exc})") from None
+    header.pop("__metadata__", None)
+    return header
+
+
 def check_weights_readable(model_dir: str) -> str | None:
     """Every safetensors file opens and has a well-formed header (no tensor data is read)."""
     for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
         try:
-            with open(path, "rb") as f:
-                raw = f.read(8)
-                if len(raw) < 8:
-                    return f"{path} is not a safetensors file: it is only {len(raw)} bytes long"
-                (size,) = struct.unpack("<Q", raw)
-                if size > MAX_HEADER_BYTES:
-                    return f"{path} is not a safetensors file: its header claims {size} bytes"
-                json.loads(f.read(size))
+            read_safetensors_header(path)
         except PermissionError:
             return f"cannot read {path}: permission denied (the server runs as uid {os.getuid()})"
         except OSError as exc:
             return f"cannot read {path}: {exc.strerror or exc}"
         except ValueError as exc:
-            return f"{path} is not a safetensors file: its header is not valid JSON ({exc})"
+            return f"{path} is not a safetensors file: {exc}"
     return None
 
 

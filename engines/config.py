@@ -29,6 +29,7 @@ class ModelConfig(msgspec.Struct, frozen=True):
     trust_remote_code: bool = False
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     quantize: str | None = None
+    load_cache_dir: str | None = None  # a load-optimised copy of each rank's weights (engines/load_cache.py)
 
 
 class SchedulerConfig(msgspec.Struct, frozen=True):

@@ -17,6 +17,8 @@ import time
 
 import torch
 
+from engines import load_cache
+
 log = logging.getLogger(__name__)
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -30,6 +32,11 @@ def torch_dtype(name: str, hf_config) -> torch.dtype:
     if isinstance(declared, torch.dtype):
         return declared
     return getattr(torch, str(declared or "float32").replace("torch.", ""), torch.float32)
+
+
+def parameter_bytes(model: torch.nn.Module) -> int:
+    """Bytes of a model's parameters (on this rank)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def checkpoint_files(model_dir: str) -> list[str]:
@@ -113,10 +120,10 @@ class SafetensorsFile:
 
 
 def build_model(cls, hf_config, comm, dtype: torch.dtype, device: torch.device, max_positions: int,
-                progress: bool = True):
-    """Construct `cls` with empty weights in `dtype` on `device` and fill them from the checkpoint."""
-    from tqdm import tqdm
-
+                progress: bool = True, load_cache_dir: str | None = None):
+    """Construct `cls` with empty weights in `dtype` on `device` and fill them: from the load cache
+    when `load_cache_dir` holds a valid one for this rank, else from the checkpoint (then written
+    to the cache, when there is one)."""
     started = time.perf_counter()
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -125,12 +132,35 @@ def build_model(cls, hf_config, comm, dtype: torch.dtype, device: torch.device, 
             model = cls(hf_config, comm, max_positions)
     finally:
         torch.set_default_dtype(previous)
+    files = checkpoint_files(hf_config._name_or_path)
+    cache = source = None
+    if load_cache_dir:
+        cache = load_cache.cache_paths(load_cache_dir, hf_config._name_or_path, dtype, comm.rank, comm.world_size)
+        source = load_cache.source_fingerprint(files)
+        try:
+            nbytes = load_cache.load(model, *cache, source)
+            log.info("loaded %d bytes from the load cache %s in %.2f s (rank %d)", nbytes, cache[0],
+                     time.perf_counter() - started, comm.rank)
+            return model.eval()
+        except load_cache.CacheMiss as exc:
+            level = logging.INFO if str(exc) == "no cache yet" else logging.WARNING
+            log.log(level, "load cache %s: %s; loading the safetensors files and rebuilding it", cache[0], exc)
+    _fill_from_checkpoint(model, files, comm.rank, progress)
+    log.info("loaded %d file(s) in %.1f s (rank %d)", len(files), time.perf_counter() - started, comm.rank)
+    if cache:
+        nbytes = load_cache.write(model, *cache, source)
+        log.info("load cache written: %s (%d bytes)", cache[0], nbytes)
+    return model.eval()
+
+
+def _fill_from_checkpoint(model, files: list[str], rank: int, progress: bool) -> None:
+    from tqdm import tqdm
+
     for p in model.parameters():
         p.data.fill_(float("nan"))  # anything the checkpoint does not fill shows up below
-    files = checkpoint_files(hf_config._name_or_path)
     checkpoints = [SafetensorsFile(path) for path in files]
     names = [name for ckpt in checkpoints for name in ckpt.tensors]
-    bar = tqdm(total=len(names), desc="loading weights", disable=not progress or comm.rank != 0, unit="tensor")
+    bar = tqdm(total=len(names), desc="loading weights", disable=not progress or rank != 0, unit="tensor")
     unused = []
     try:
         for ckpt in checkpoints:
@@ -148,6 +178,3 @@ def build_model(cls, hf_config, comm, dtype: torch.dtype, device: torch.device, 
         raise ValueError(f"the checkpoint does not fill {len(missing)} parameters, e.g. {missing[:3]}")
     if unused:
         log.warning("unused checkpoint tensors: %s", unused[:5])
-    log.info("loaded %d tensors from %d file(s) in %.1f s (rank %d)", len(names), len(files),
-             time.perf_counter() - started, comm.rank)
-    return model.eval()

@@ -51,6 +51,7 @@ class HealthReply(msgspec.Struct, tag="health_reply", frozen=True):
     num_batches: int = 0  # dynamic batches run, or rolling-engine steps
     num_kv_slots: int = 0  # rolling engines: KV token slots held by the running batch
     metrics: dict[str, float] = {}  # engine gauges and counters for /metrics
+    startup: dict[str, float] = {}  # start-up phase → seconds (engines/startup.py)
 
 
 class Output(msgspec.Struct, tag="output", frozen=True):

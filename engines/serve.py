@@ -14,6 +14,8 @@ import signal
 import sys
 import threading
 
+import msgspec
+
 from engines.config import ENGINE_DYNAMIC, ENGINE_PAGED, ENGINE_ROLLING, LmiConfig, model_max_len
 from engines.dist import Communicator, SingleProcess, make_communicator, rank_info
 from engines.endpoint import EngineEndpoint
@@ -21,6 +23,7 @@ from engines.ipc import high_water_mark
 from engines.protocol import (FINISH_ERROR, STATE_DEAD, STATE_LOADING, STATE_READY, Add, HealthReply, Output,
                               engine_socket_path, ready_path, write_failure)
 from engines.errors import FatalStepError
+from engines.startup import TIMELINE, process_age, startup_path
 
 log = logging.getLogger("engines.serve")
 
@@ -74,6 +77,8 @@ class EngineProcess:
         self.engine = None
         self._pending = []  # messages that arrive while loading, in arrival order
         self._lock = threading.Lock()
+        TIMELINE.adopt(startup_path(run_dir))
+        self.startup = dict(TIMELINE.phases)  # replaced whole once ready; read by the IO thread
         sched = config.scheduler
         self.endpoint = EngineEndpoint(engine_socket_path(run_dir), self._on_message, self._health,
                                        high_water_mark(sched.job_queue_size, sched.max_num_seqs))
@@ -94,12 +99,14 @@ class EngineProcess:
         engine = self.engine
         if engine is not None and self.state == STATE_READY:
             try:  # the engine's own snapshot: its state is never read while it changes
-                return engine.health(self.state)
+                return msgspec.structs.replace(engine.health(self.state), startup=self.startup)
             except Exception as exc:
-                return HealthReply(self.state, detail=f"engine statistics unavailable: {exc}")
-        return HealthReply(self.state, detail=self.detail)
+                return HealthReply(self.state, detail=f"engine statistics unavailable: {exc}", startup=self.startup)
+        return HealthReply(self.state, detail=self.detail, startup=self.startup)
 
     def become_ready(self, engine) -> None:
+        TIMELINE.mark_ready()
+        self.startup = dict(TIMELINE.phases)
         with self._lock:
             for msg in self._pending:
                 engine.submit(msg)
@@ -118,6 +125,7 @@ class EngineProcess:
         self.endpoint.start()
         try:
             engine = build_engine(self.config, self.endpoint.publish, self.comm)
+            TIMELINE.record("engine_imports", process_age(), "interpreter, torch, transformers, engine modules")
             engine.load()
         except Exception as exc:
             log.exception("engine failed to load")

@@ -35,6 +35,11 @@ class _EngineCollector:
         yield GaugeMetricFamily("lmi_requests_running", "requests in the running batch", value=r.num_running)
         yield CounterMetricFamily("lmi_engine_steps", "engine steps (dynamic: batches)", value=r.num_batches)
         yield GaugeMetricFamily("lmi_kv_slots_in_use", "KV token slots held", value=r.num_kv_slots)
+        phases = GaugeMetricFamily("lmi_startup_phase_seconds", "seconds each start-up phase took (ready: the "
+                                   "whole cold start)", labels=["phase"])
+        for phase, seconds in r.startup.items():
+            phases.add_metric([phase], seconds)
+        yield phases
         for key, value in r.metrics.items():
             if key in ENGINE_METRICS:
                 name, doc, is_counter = ENGINE_METRICS[key]

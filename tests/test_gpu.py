@@ -47,3 +47,18 @@ def test_paged_step_on_cuda_matches_cpu(tiny_model):
         outs[device] = logits.cpu()
     assert torch.allclose(outs["cpu"], outs["cuda"], atol=1e-3)
 
+
+
+def test_cuda_kv_cache_leaves_the_profiled_activation_peak_free(tiny_model):
+    """The paged engine sizes its cache after a profiling forward: with gpu_memory_utilization=0.5,
+    half the GPU is in use once the cache is allocated (weights, context, cache), within 2%."""
+    from engines.config import LmiConfig, SchedulerConfig
+    from engines.worker.paged_engine import PagedEngine
+
+    config = LmiConfig(model=ModelConfig(local_dir=str(tiny_model), dtype="fp16"),
+                       scheduler=SchedulerConfig(gpu_memory_utilization=0.5))
+    engine = PagedEngine(config, publish=lambda outputs: None)
+    engine.load()
+    assert engine.runner.warm_up(1024) > 0  # the profiling forward measures a peak
+    free, total = torch.cuda.mem_get_info()
+    assert abs((total - free) - 0.5 * total) < 0.02 * total

@@ -13,7 +13,7 @@ import pytest
 import requests
 
 from container.model_maker import corpus_lines
-from tests.support import Server, ids_of, running_server
+from tests.support import Server, ids_of, running_server, wait_for
 
 MAX_REQUEST_SIZE = 100_000
 PROPERTIES = f"""
@@ -122,7 +122,8 @@ def test_stop_sequence_trims_text_and_reports_it(server, hf):
 def test_request_id_is_echoed(server):
     resp = server.post({"inputs": "hi", "parameters": {"max_new_tokens": 2}}, headers={"X-Request-Id": "rid-123"})
     assert resp.headers["X-Request-Id"] == "rid-123"
-    assert "rid=rid-123" in server.log()
+    # gunicorn writes the access line after the response has gone out: wait for it
+    wait_for(lambda: "rid=rid-123" in server.log(), 10, "the access log line with the client's id")
     assert len(requests.get(server.url + "/ping").headers["X-Request-Id"]) == 32
 
 

@@ -6,9 +6,11 @@ import logging
 import time
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from engines.config import ModelConfig
-from engines.loader import torch_dtype
+from engines.loader import parameter_bytes, torch_dtype
+from engines.startup import TIMELINE, throughput
 from engines.protocol import FINISH_EOS, FINISH_LENGTH, Add, Output
 from engines.sampling_params import SamplingParams
 
@@ -21,8 +23,6 @@ class HFGenerator:
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     def load(self) -> None:
-        from transformers import AutoConfig, AutoModelForCausalLM
-
         started = time.perf_counter()
         hf_config = AutoConfig.from_pretrained(self.config.local_dir, trust_remote_code=self.config.trust_remote_code)
         dtype = torch_dtype(self.config.dtype, hf_config)
@@ -33,8 +33,9 @@ class HFGenerator:
         self.eos_token_ids = _as_list(gen.eos_token_id if gen.eos_token_id is not None else hf_config.eos_token_id)
         pad = gen.pad_token_id if gen.pad_token_id is not None else hf_config.pad_token_id
         self.pad_token_id = pad if pad is not None else (self.eos_token_ids[0] if self.eos_token_ids else 0)
-        log.info("loaded %s (%s) in %.1f s on %s", type(self.model).__name__, dtype,
-                 time.perf_counter() - started, self.device)
+        elapsed = time.perf_counter() - started
+        log.info("loaded %s (%s) in %.1f s on %s", type(self.model).__name__, dtype, elapsed, self.device)
+        TIMELINE.record("weight_load", elapsed, throughput(parameter_bytes(self.model), elapsed))
 
     @torch.inference_mode()
     def generate(self, batch: list[Add]) -> list[Output]:

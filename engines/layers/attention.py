@@ -14,22 +14,12 @@ from torch import nn
 from engines.dist import Communicator
 from engines.layers.linear import ColumnParallelLinear, RowParallelLinear
 from engines.layers.rotary import RotaryEmbedding
+from engines.memory_plan import local_kv_heads
 
 
 class AttentionBackend(Protocol):
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [B, T, heads, D], k/v: [B, T, kv_heads, D] (this step's) → [B, T, heads, D]."""
-
-
-def local_kv_heads(num_kv_heads: int, world_size: int) -> tuple[int, bool]:
-    """KV heads per rank, and whether they are replicated (fewer KV heads than ranks)."""
-    if num_kv_heads >= world_size:
-        if num_kv_heads % world_size:
-            raise ValueError(f"{num_kv_heads} KV heads do not split over {world_size} ranks")
-        return num_kv_heads // world_size, False
-    if world_size % num_kv_heads:
-        raise ValueError(f"{world_size} ranks do not share {num_kv_heads} KV heads evenly")
-    return 1, True
 
 
 class Attention(nn.Module):

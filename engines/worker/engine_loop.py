@@ -19,12 +19,12 @@ import msgspec
 import torch
 
 from engines.config import LmiConfig, SchedulerConfig, memory_bytes
+from engines.memory_plan import available_ram, cpu_kv_budget_bytes
 from engines.errors import FatalStepError, is_out_of_memory
 from engines.protocol import FINISH_ERROR, STATE_READY, Abort, Add, HealthReply, Output
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CPU_KV_FRACTION = "0.25"  # of available RAM, when option.kv_cache_memory is unset
 SNAPSHOT_INTERVAL_S = 0.02  # how often a busy loop refreshes its health snapshot
 
 
@@ -141,22 +141,28 @@ class EngineLoop(abc.ABC):
             raise FatalStepError(f"step {self.num_steps} failed with tensor parallelism: {exc}") from exc
 
 
-def kv_budget_bytes(sched: SchedulerConfig, device: torch.device, num_ranks: int = 1) -> int:
-    """KV cache memory of one rank: on CUDA what gpu_memory_utilization leaves of its GPU after the
-    weights; on CPU option.kv_cache_memory (bytes, or a fraction of available RAM, default a
-    quarter) shared by the ranks, which all live in this machine's RAM."""
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        return max(int(total * sched.gpu_memory_utilization) - (total - free), 0)
-    return memory_bytes(sched.kv_cache_memory or DEFAULT_CPU_KV_FRACTION, available_ram()) // num_ranks
+def kv_budget_bytes(sched: SchedulerConfig, runner, num_ranks: int, activation_peak: int, block_size: int = 1) -> int:
+    """KV cache memory of one rank.
+
+    CUDA: what gpu_memory_utilization of the GPU leaves after the weights and `activation_peak`, the
+    memory peak of the profiling forward (ModelRunner.warm_up, which every rank runs). CPU: option.kv_cache_memory
+    (bytes, or a fraction of available RAM) shared by the ranks, which all live in this machine's
+    RAM; unset, what max_num_seqs sequences of max_model_len tokens need (engines/memory_plan.py)."""
+    if runner.device.type == "cuda":
+        return cuda_kv_budget_bytes(sched, runner.device, activation_peak)
+    if sched.kv_cache_memory:
+        return memory_bytes(sched.kv_cache_memory, available_ram()) // num_ranks
+    return cpu_kv_budget_bytes(runner.kv_bytes_per_token, sched.max_num_seqs, runner.max_model_len,
+                               available_ram(), num_ranks, block_size)
 
 
-def available_ram() -> int:
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+def cuda_kv_budget_bytes(sched: SchedulerConfig, device: torch.device, peak: int) -> int:
+    """total × gpu_memory_utilization − what is held now (weights, CUDA context) − the measured
+    activation peak of a forward at max_num_batched_tokens (as vLLM sizes its cache)."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    budget = max(int(total * sched.gpu_memory_utilization) - (total - free) - peak, 0)
+    log.info("CUDA memory: %d total, %d in use after loading, activation peak %d → KV budget %d bytes",
+             total, total - free, peak, budget)
+    return budget

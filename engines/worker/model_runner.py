@@ -10,14 +10,18 @@ import logging
 import time
 
 import torch
+from transformers import AutoConfig  # here, not in load(): an import, not weight loading
 
 from engines.config import ModelConfig
 from engines.dist import Communicator, SingleProcess
-from engines.loader import build_model, torch_dtype
+from engines.loader import build_model, parameter_bytes, torch_dtype
+from engines.startup import TIMELINE, throughput
 from engines.models.registry import model_class
 from engines.worker.padded_cache import GROW, PaddedKVCache
 
 log = logging.getLogger(__name__)
+
+CPU_WARM_UP_TOKENS = 16
 
 
 class ModelRunner:
@@ -31,15 +35,14 @@ class ModelRunner:
         self.is_native = False
 
     def load(self) -> None:
-        from transformers import AutoConfig
-
         started = time.perf_counter()
         hf = AutoConfig.from_pretrained(self.config.local_dir, trust_remote_code=self.config.trust_remote_code)
         arch = (hf.architectures or [""])[0]
         self.dtype = torch_dtype(self.config.dtype, hf)
         cls = None if self.config.trust_remote_code else model_class(arch)
         if cls is not None:
-            self.model = build_model(cls, hf, self.comm, self.dtype, self.device, self.max_model_len)
+            self.model = build_model(cls, hf, self.comm, self.dtype, self.device, self.max_model_len,
+                                     load_cache_dir=self.config.load_cache_dir)
             self.num_layers = hf.num_hidden_layers
             self.num_kv_heads, self.head_dim = self.model.num_kv_heads, self.model.head_dim
             self.is_native = True
@@ -48,8 +51,10 @@ class ModelRunner:
         gen_eos = hf.eos_token_id
         self.eos_token_ids = frozenset(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
         self.pad_token_id = hf.pad_token_id if hf.pad_token_id is not None else 0
+        elapsed = time.perf_counter() - started
         log.info("loaded %s (%s path, %s) in %.1f s", arch, "native" if self.is_native else "HF fallback",
-                 self.dtype, time.perf_counter() - started)
+                 self.dtype, elapsed)
+        TIMELINE.record("weight_load", elapsed, throughput(self.weight_bytes, elapsed))
         self.comm.barrier()  # every rank holds its shard before anyone serves
 
     def _load_hf(self, hf) -> None:
@@ -72,6 +77,24 @@ class ModelRunner:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
 
     # -- forwards ---------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def warm_up(self, num_tokens: int) -> int:
+        """One prefill before serving. On CUDA it has `num_tokens` tokens and is the profiling
+        forward: → its memory peak above what is held now (activations and its own KV, freed
+        again), which the KV cache must leave free. On CPU a short one warms up; → 0."""
+        is_cuda = self.device.type == "cuda"
+        if is_cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            before = torch.cuda.memory_allocated(self.device)
+        length = num_tokens if is_cuda else min(num_tokens, CPU_WARM_UP_TOKENS)
+        logits, cache = self.prefill([[self.pad_token_id] * length])
+        del logits, cache
+        return torch.cuda.max_memory_allocated(self.device) - before if is_cuda else 0
+
+    @property
+    def weight_bytes(self) -> int:
+        return parameter_bytes(self.model)
+
     @torch.inference_mode()
     def prefill(self, prompts: list[list[int]]) -> tuple[torch.Tensor, PaddedKVCache]:
         """A new left-padded batch from prompts → (last-token logits [n, V], its cache)."""

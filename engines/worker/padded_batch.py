@@ -19,6 +19,9 @@ class PaddedBatch:
         logits, self._new = self.runner.prefill(prompts)
         return logits
 
+    def warm_up(self, num_tokens: int) -> int:
+        return self.runner.warm_up(num_tokens)
+
     def merge(self, keep: list[int]) -> None:
         """Join rows `keep` of the prefilled batch to the running one (the others finished at once)."""
         new, self._new = self._new, None

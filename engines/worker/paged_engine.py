@@ -12,6 +12,7 @@ from engines.config import LmiConfig, model_max_len
 from engines.core.block_manager import BlockManager
 from engines.core.request import Request
 from engines.core.scheduler import Scheduler
+from engines.startup import TIMELINE
 from engines.protocol import STATE_READY, Add, HealthReply, Output
 from engines.dist import SingleProcess
 from engines.worker.engine_loop import EngineLoop, kv_budget_bytes
@@ -36,9 +37,13 @@ class PagedEngine(EngineLoop):
         self.runner.load()
         sched = self.config.scheduler
         block_bytes = sched.kv_block_size * self.runner.kv_bytes_per_token
-        num_blocks = max(kv_budget_bytes(sched, self.runner.device, self.comm.world_size) // block_bytes, 1)
         self.paged = Mirrored(PagedRunner(self.runner), self.comm)
-        self.paged.call("allocate", num_blocks, sched.kv_block_size)
+        with TIMELINE.phase("warm_up"):
+            peak = self.paged.call("warm_up", min(sched.max_num_batched_tokens, self.max_model_len))
+        budget = kv_budget_bytes(sched, self.runner, self.comm.world_size, peak, sched.kv_block_size)
+        num_blocks = max(budget // block_bytes, 1)
+        with TIMELINE.phase("kv_allocation"):
+            self.paged.call("allocate", num_blocks, sched.kv_block_size)
         self.blocks = BlockManager(num_blocks, sched.kv_block_size, sched.enable_prefix_caching)
         self.scheduler = Scheduler(sched.max_num_seqs, sched.max_num_batched_tokens, self.blocks, self.max_model_len)
         log.info("paged KV cache: %d blocks of %d tokens = %d tokens, %d bytes; prefix caching %s; "

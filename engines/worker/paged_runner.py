@@ -41,6 +41,9 @@ class PagedRunner:
         self.block_size = block_size
         self.cache = PagedKVCache(r.num_layers, num_blocks, block_size, r.num_kv_heads, r.head_dim, r.dtype, r.device)
 
+    def warm_up(self, num_tokens: int) -> int:
+        return self.runner.warm_up(num_tokens)
+
     def apply_plan(self, plan: SchedulerOutput) -> None:
         """Take in what changed: finished/preempted requests, new ones, new blocks."""
         for rid in list(plan.finished_ids) + list(plan.preempted_ids):

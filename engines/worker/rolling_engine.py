@@ -16,6 +16,7 @@ import torch
 from engines.config import LmiConfig, model_max_len
 from engines.core.admission import AdmissionLimits, admit, fits_alone
 from engines.core.request import Request, Status
+from engines.startup import TIMELINE
 from engines.protocol import STATE_READY, Add, HealthReply, Output
 from engines.worker.engine_loop import EngineLoop, kv_budget_bytes
 from engines.dist import SingleProcess
@@ -61,9 +62,11 @@ class RollingEngine(EngineLoop):
 
     def load(self) -> None:
         self.runner.load()
-        budget = kv_budget_bytes(self.config.scheduler, self.runner.device, self.comm.world_size)
-        per_token = self.runner.kv_bytes_per_token
         sched = self.config.scheduler
+        with TIMELINE.phase("warm_up"):
+            peak = self.batch.call("warm_up", min(sched.max_num_batched_tokens, self.runner.max_model_len))
+        budget = kv_budget_bytes(sched, self.runner, self.comm.world_size, peak)
+        per_token = self.runner.kv_bytes_per_token
         self.limits = AdmissionLimits(sched.max_num_seqs, sched.max_num_batched_tokens, budget // per_token)
         log.info("KV cache budget: %d bytes = %d token slots (%d bytes per token); max_num_seqs %d, "
                  "max_num_batched_tokens %d", budget, self.limits.max_kv_tokens, per_token,

@@ -1,0 +1,176 @@
+"""`lmi plan` and the start-up check of `lmi serve`: a checkpoint's shape (config.json and the
+safetensors headers, never the weights) + the resolved settings + a machine → engines.memory_plan.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import subprocess
+from dataclasses import asdict
+
+from container.preflight import read_safetensors_header
+from engines.config import ENGINE_PAGED, memory_bytes, model_max_len
+from engines.memory_plan import Machine, ModelShape, Plan, Workload, available_ram, count, gib
+
+TORCH_DTYPE_NAMES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+_ELEMENT_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                  "BOOL": 1}
+
+
+def _first(cfg: dict, *keys: str, default=None):
+    return next((cfg[k] for k in keys if cfg.get(k) is not None), default)
+
+
+def read_model_shape(local_dir: str, max_model_len_override: int | None = None) -> ModelShape:
+    """The shape of the checkpoint in `local_dir` (Llama/Mistral/Qwen2, GPT-2 and Falcon key names)."""
+    path = os.path.join(local_dir, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"no config.json in {local_dir}")
+    with open(path, encoding="utf-8") as f:
+        cfg = json.load(f)
+    cfg = {**cfg, **(cfg.get("text_config") or {})}
+    hidden = _first(cfg, "hidden_size", "n_embd", "d_model")
+    layers = _first(cfg, "num_hidden_layers", "n_layer", "num_layers")
+    heads = _first(cfg, "num_attention_heads", "n_head")
+    kv_heads = _first(cfg, "num_key_value_heads", "num_kv_heads", "n_head_kv",
+                      default=1 if cfg.get("multi_query") else heads)
+    if not all(isinstance(v, int) for v in (hidden, layers, heads, kv_heads)):
+        raise ValueError(f"{path}: cannot find the hidden size, layers and heads of this architecture")
+    head_dim = _first(cfg, "head_dim", default=hidden // heads)
+    shape = dict(hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                 intermediate_size=_first(cfg, "intermediate_size", "ffn_hidden_size", "n_inner", default=4 * hidden),
+                 vocab_size=cfg.get("vocab_size", 0))
+    counted = count_checkpoint_parameters(local_dir)
+    total, replicated = counted if counted else estimate_parameters(cfg, **shape)
+    dtype = TORCH_DTYPE_NAMES.get(str(_first(cfg, "torch_dtype", "dtype", default="float32")), "fp32")
+    return ModelShape(architecture=(cfg.get("architectures") or ["unknown"])[0], num_parameters=total,
+                      replicated_parameters=replicated, max_model_len=model_max_len(local_dir, max_model_len_override),
+                      checkpoint_dtype=dtype, **shape)
+
+
+def count_checkpoint_parameters(local_dir: str) -> tuple[int, int] | None:
+    """(all parameters, those of 1-D tensors) from the safetensors headers; None without any."""
+    paths = sorted(glob.glob(os.path.join(local_dir, "*.safetensors")))
+    if not paths:
+        return None
+    total = replicated = 0
+    for path in paths:
+        for meta in read_safetensors_header(path).values():
+            numel = 1
+            for d in meta["shape"]:
+                numel *= d
+            total += numel
+            replicated += numel if len(meta["shape"]) <= 1 else 0
+    return total, replicated
+
+
+def estimate_parameters(cfg: dict, *, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
+                        head_dim: int, intermediate_size: int, vocab_size: int) -> tuple[int, int]:
+    """Llama-family count when there are no weights to read: embeddings (and an untied LM head),
+    q/k/v/o, a gated MLP (gate/up/down; two matrices for GPT-2/Falcon), two norms per layer + one."""
+    mlp_mats = 2 if cfg.get("model_type") in ("gpt2", "falcon") else 3
+    attention = hidden_size * head_dim * (2 * num_heads + 2 * num_kv_heads)
+    norms = (2 * num_layers + 1) * hidden_size
+    embeddings = vocab_size * hidden_size * (1 if cfg.get("tie_word_embeddings") else 2)
+    return embeddings + num_layers * (attention + mlp_mats * hidden_size * intermediate_size) + norms, norms
+
+
+def this_machine(num_gpus: int) -> Machine | None:
+    """This machine: its GPUs (memory from nvidia-smi; None when it cannot say), else its RAM."""
+    if not num_gpus:
+        return Machine("this machine's RAM", 0, available_ram())
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return None
+    try:
+        out = subprocess.run([smi, "--query-gpu=memory.total", "--format=csv,noheader,nounits"], capture_output=True,
+                             text=True, timeout=10, check=True).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    mib = min(int(v) for v in out[:num_gpus]) if out else 0
+    return Machine(f"this machine ({num_gpus} x {mib} MiB GPUs)", num_gpus, mib * 2**20) if mib else None
+
+
+def workload(resolved, shape: ModelShape, machine: Machine, engine_kind: str, *, prompt_tokens: int | None = None,
+             output_tokens: int | None = None) -> Workload:
+    """The settings that matter, from a container.config.ResolvedConfig."""
+    dtype = resolved["option.dtype"] or ("fp16" if machine.is_gpu else "bf16")
+    if dtype == "auto":
+        dtype = shape.checkpoint_dtype
+    tp = resolved["option.tensor_parallel_degree"]
+    if tp == "max":
+        tp = max(machine.num_devices, 1)
+    output = output_tokens if output_tokens is not None else min(resolved["option.max_new_tokens"], shape.max_model_len)
+    prompt = prompt_tokens if prompt_tokens is not None else shape.max_model_len - output
+    spec = resolved["option.kv_cache_memory"]
+    kv_bytes = memory_bytes(spec, machine.device_bytes) if spec and not machine.is_gpu else None
+    return Workload(dtype=dtype, tensor_parallel_degree=tp, max_num_seqs=resolved["option.max_rolling_batch_size"],
+                    max_num_batched_tokens=resolved["option.max_rolling_batch_prefill_tokens"],
+                    max_model_len=shape.max_model_len, prompt_tokens=prompt, output_tokens=output,
+                    kv_block_size=resolved["option.kv_block_size"],
+                    gpu_memory_utilization=resolved["option.gpu_memory_utilization"], kv_cache_bytes=kv_bytes,
+                    is_paged=engine_kind == ENGINE_PAGED)
+
+
+def summary(p: Plan) -> str:
+    """One line: what runs where, the two big numbers, and the verdict."""
+    w = p.workload
+    head = (f"plan: {p.shape.architecture} {count(p.shape.num_parameters)} parameters, {w.dtype}, "
+            f"TP {w.tensor_parallel_degree} on {p.machine.name}: weights {gib(p.weight_bytes)}/rank, KV cache "
+            f"{p.kv_tokens:,} tokens ({p.kv_bytes_per_token:,} bytes/token/rank), {p.max_concurrent_seqs:,} "
+            f"sequences of {w.sequence_tokens:,} tokens")
+    return f"{head}; {p.problems[0]}" if p.problems else f"{head}; fits"
+
+
+def table(p: Plan) -> list[str]:
+    w, s = p.workload, p.shape
+    rows = [("model", f"{s.architecture} ({s.num_layers} layers, hidden {s.hidden_size}, {s.num_heads} heads, "
+                      f"{s.num_kv_heads} KV heads of {s.head_dim})"),
+            ("parameters", f"{s.num_parameters:,}"),
+            ("machine", p.machine.name),
+            ("dtype / tensor_parallel_degree", f"{w.dtype} / {w.tensor_parallel_degree}"),
+            ("usable memory per rank", f"{gib(p.usable_bytes)} ({p.usable_bytes:,} bytes)"),
+            ("weights per rank", f"{gib(p.weight_bytes)} ({p.weight_bytes:,} bytes)"),
+            ("activation/workspace headroom", f"{gib(p.headroom_bytes)} ({p.headroom_bytes:,} bytes)"),
+            ("KV bytes per token per rank", f"{p.kv_bytes_per_token:,}"),
+            ("KV cache per rank", f"{gib(p.kv_bytes)} ({p.kv_bytes:,} bytes)"),
+            ("KV tokens that fit", f"{p.kv_tokens:,}"),
+            (f"sequences of {w.prompt_tokens:,}+{w.output_tokens:,} tokens", f"{p.max_concurrent_seqs:,}"),
+            ("max_rolling_batch_size reachable", _yes_no(p.max_concurrent_seqs >= w.max_num_seqs, w.max_num_seqs)),
+            ("max_num_batched_tokens reachable", _yes_no(p.kv_tokens >= w.max_num_batched_tokens,
+                                                         w.max_num_batched_tokens)),
+            ("smallest tensor_parallel_degree that fits", str(p.smallest_tp) if p.smallest_tp else "none")]
+    width = max(len(k) for k, _ in rows)
+    return [f"{k:<{width}}  {v}" for k, v in rows] + p.problems + p.notes + [summary(p)]
+
+
+def _yes_no(ok: bool, value: int) -> str:
+    return f"{'yes' if ok else 'no'} ({value:,})"
+
+
+def to_json(p: Plan) -> str:
+    body = {k: v for k, v in asdict(p).items() if k not in ("shape", "machine", "workload")}
+    body.update(shape=asdict(p.shape), machine=asdict(p.machine), workload=asdict(p.workload), fits=p.fits,
+                summary=summary(p))
+    return json.dumps(body, indent=2)
+
+
+
+def config_dir(model: str | None, revision: str | None = None) -> str:
+    """A local directory holding the model's config.json: the model itself, or for a hub id the
+    hub cache after fetching config.json and the safetensors headers' files' index only."""
+    if not model:
+        raise ValueError("no model: give a model directory or hub id, --model-dir, or option.model_id")
+    if os.path.isdir(os.path.expanduser(model)):
+        return os.path.expanduser(model)
+    if model.startswith("s3://"):
+        raise ValueError(f"{model}: lmi plan reads local directories and hub ids; download the config first")
+    try:
+        from huggingface_hub import hf_hub_download
+
+        return os.path.dirname(hf_hub_download(model, "config.json", revision=revision))
+    except Exception as exc:  # offline, unknown repo, gated: one line
+        raise ValueError(f"cannot fetch config.json of {model!r} from the hub: {type(exc).__name__}: {exc}") from None

@@ -1,0 +1,256 @@
+"""Memory arithmetic of a deployment, before anything is loaded: pure Python, no torch.
+
+`lmi plan`, the start-up check of `lmi serve` and the engines' default KV budget all use it, so the
+figures a user sees before launch are the ones the engine sizes its cache with.
+
+Per rank (one GPU, or one CPU process):
+
+    usable      = device memory × gpu_memory_utilization            (CPU: available RAM / ranks)
+    weights     = sharded params / TP + replicated params (norms, biases, KV heads copied when
+                  there are fewer KV heads than ranks), × dtype bytes
+    headroom    = fixed runtime overhead + activations of one step of max_num_batched_tokens
+                  tokens + float32 logits of max_num_seqs rows
+    KV          = usable − weights − headroom, in tokens of kv_bytes_per_token (paged: whole blocks)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+GIB = 2**30
+DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+GPU_RUNTIME_BYTES = GIB  # CUDA context, cuBLAS workspace, NCCL buffers: outside torch's tensors
+CPU_RUNTIME_BYTES = GIB // 2  # the Python interpreter, torch and transformers of one rank
+DEFAULT_CPU_KV_FRACTION = 0.25  # of available RAM: the cap of the CPU KV cache when unset
+TP_DEGREES = (1, 2, 4, 8)
+LOGITS_COPIES = 2  # gathered logits and the sampler's processed copy, float32
+
+
+def local_kv_heads(num_kv_heads: int, world_size: int) -> tuple[int, bool]:
+    """KV heads per rank, and whether they are replicated (fewer KV heads than ranks)."""
+    if num_kv_heads >= world_size:
+        if num_kv_heads % world_size:
+            raise ValueError(f"{num_kv_heads} KV heads do not split over {world_size} ranks")
+        return num_kv_heads // world_size, False
+    if world_size % num_kv_heads:
+        raise ValueError(f"{world_size} ranks do not share {num_kv_heads} KV heads evenly")
+    return 1, True
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the arithmetic needs of a checkpoint (from config.json and the safetensors headers)."""
+
+    architecture: str
+    num_parameters: int
+    replicated_parameters: int  # 1-D tensors (norms, biases): every rank holds them whole
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_model_len: int
+    checkpoint_dtype: str  # fp32 | fp16 | bf16
+
+    def can_split(self, tp: int) -> bool:
+        if self.num_heads % tp:
+            return False
+        try:
+            local_kv_heads(self.num_kv_heads, tp)
+        except ValueError:
+            return False
+        return True
+
+    def weight_bytes_per_rank(self, tp: int, dtype_bytes: int) -> int:
+        kv_proj = self.num_layers * 2 * self.hidden_size * self.head_dim  # per KV head
+        sharded = self.num_parameters - self.replicated_parameters - kv_proj * self.num_kv_heads
+        kv_local = local_kv_heads(self.num_kv_heads, tp)[0]
+        return (math.ceil(sharded / tp) + self.replicated_parameters + kv_proj * kv_local) * dtype_bytes
+
+    def kv_bytes_per_token(self, tp: int, dtype_bytes: int) -> int:
+        """K and V of one token over all layers, on one rank."""
+        return 2 * self.num_layers * local_kv_heads(self.num_kv_heads, tp)[0] * self.head_dim * dtype_bytes
+
+    def activation_bytes(self, tp: int, dtype_bytes: int, num_tokens: int, num_seqs: int) -> int:
+        """Peak activations of one step on one rank: the residual and normed hidden states, the
+        q/k/v and attention outputs, gate/up/activation of the MLP; plus float32 logits."""
+        kv_local = local_kv_heads(self.num_kv_heads, tp)[0]
+        per_token = (2 * self.hidden_size + (2 * self.num_heads // tp + 2 * kv_local) * self.head_dim
+                     + 3 * math.ceil(self.intermediate_size / tp))
+        return num_tokens * per_token * dtype_bytes + LOGITS_COPIES * num_seqs * self.vocab_size * 4
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Where the model runs: `num_devices` GPUs of `device_bytes` each, or CPU RAM (num_devices 0)."""
+
+    name: str
+    num_devices: int
+    device_bytes: int  # per GPU; on CPU the available RAM
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.num_devices > 0
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The settings of serving.properties that the arithmetic reads."""
+
+    dtype: str  # fp32 | fp16 | bf16
+    tensor_parallel_degree: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    prompt_tokens: int
+    output_tokens: int
+    kv_block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_bytes: int | None = None  # CPU: option.kv_cache_memory resolved to bytes (all ranks)
+    is_paged: bool = True
+
+    @property
+    def sequence_tokens(self) -> int:
+        return self.prompt_tokens + self.output_tokens
+
+
+@dataclass(frozen=True)
+class Plan:
+    shape: ModelShape
+    machine: Machine
+    workload: Workload
+    usable_bytes: int  # per rank
+    weight_bytes: int  # per rank
+    headroom_bytes: int  # per rank
+    kv_bytes_per_token: int  # per rank
+    kv_bytes: int  # per rank
+    kv_tokens: int
+    max_concurrent_seqs: int
+    smallest_tp: int | None
+    problems: list[str]  # "does not fit: ..." lines; empty when it fits
+    notes: list[str]  # limits that cannot be reached, said with the number to change
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+
+def cpu_kv_budget_bytes(kv_bytes_per_token: int, max_num_seqs: int, max_model_len: int, available: int,
+                        num_ranks: int, block_size: int = 1) -> int:
+    """Default KV cache of one CPU rank: what max_num_seqs sequences of max_model_len tokens need
+    (whole blocks), capped by DEFAULT_CPU_KV_FRACTION of the available RAM shared by the ranks."""
+    tokens_per_seq = math.ceil(max_model_len / block_size) * block_size
+    need = max_num_seqs * tokens_per_seq * kv_bytes_per_token
+    return min(need, int(available * DEFAULT_CPU_KV_FRACTION) // num_ranks)
+
+
+def plan(shape: ModelShape, machine: Machine, work: Workload) -> Plan:
+    """The memory plan of one deployment, with the smallest TP degree that fits."""
+    tp = work.tensor_parallel_degree
+    if not shape.can_split(tp):
+        raise ValueError(f"option.tensor_parallel_degree={tp} does not divide the model's {shape.num_heads} "
+                         f"attention heads and {shape.num_kv_heads} KV heads; use one of "
+                         f"{', '.join(str(t) for t in TP_DEGREES if shape.can_split(t))}")
+    figures = _figures(shape, machine, work, tp)
+    problems = _problems(machine, work, figures)
+    smallest = next((t for t in TP_DEGREES if t <= max(machine.num_devices, 1) and shape.can_split(t)
+                     and not _problems(machine, work, _figures(shape, machine, work, t))), None)
+    if problems and smallest is not None and smallest != tp:
+        problems = [p + f" (option.tensor_parallel_degree={smallest} fits)" for p in problems]
+    kv_tokens = figures["kv_tokens"]
+    seqs = kv_tokens // work.sequence_tokens if work.sequence_tokens else 0
+    return Plan(shape, machine, work, figures["usable"], figures["weights"], figures["headroom"],
+                figures["per_token"], figures["kv"], kv_tokens, seqs, smallest, problems,
+                _notes(machine, work, kv_tokens, seqs) if not problems else [])
+
+
+def _figures(shape: ModelShape, machine: Machine, work: Workload, tp: int) -> dict[str, int]:
+    dtype_bytes = DTYPE_BYTES[work.dtype]
+    per_token = shape.kv_bytes_per_token(tp, dtype_bytes)
+    weights = shape.weight_bytes_per_rank(tp, dtype_bytes)
+    activations = shape.activation_bytes(tp, dtype_bytes, work.max_num_batched_tokens, work.max_num_seqs)
+    if machine.is_gpu:
+        usable = int(machine.device_bytes * work.gpu_memory_utilization)
+        headroom = GPU_RUNTIME_BYTES + activations
+        kv = max(usable - weights - headroom, 0)
+    else:
+        usable = machine.device_bytes // tp
+        headroom = CPU_RUNTIME_BYTES + activations
+        kv = (work.kv_cache_bytes // tp if work.kv_cache_bytes is not None else cpu_kv_budget_bytes(
+            per_token, work.max_num_seqs, work.max_model_len, machine.device_bytes, tp, work.kv_block_size))
+        kv = min(kv, max(usable - weights - headroom, 0))
+    block = work.kv_block_size if work.is_paged else 1
+    kv_tokens = kv // per_token // block * block
+    return {"tp": tp, "usable": usable, "weights": weights, "headroom": headroom, "per_token": per_token, "kv": kv,
+            "kv_tokens": kv_tokens}
+
+
+def _problems(machine: Machine, work: Workload, f: dict[str, int]) -> list[str]:
+    tp = f["tp"]
+    if machine.is_gpu and tp > machine.num_devices:
+        return [f"does not fit: option.tensor_parallel_degree={tp} needs {tp} GPUs, {machine.name} has "
+                f"{machine.num_devices}; set option.tensor_parallel_degree to {machine.num_devices} or less"]
+    where = (f"{gib(f['usable'])} of {gib(machine.device_bytes)} per GPU is usable at gpu_memory_utilization="
+             f"{work.gpu_memory_utilization:g}" if machine.is_gpu else f"{gib(f['usable'])} of RAM per rank")
+    if f["weights"] + f["headroom"] > f["usable"]:
+        return [f"does not fit: the weights need {gib(f['weights'])} per rank in {work.dtype} at "
+                f"tensor_parallel_degree={tp} (+ {gib(f['headroom'])} headroom), but {where}; raise "
+                "option.tensor_parallel_degree or use a bigger instance"]
+    if f["kv_tokens"] < work.max_model_len and not _is_explicit_kv(machine, work):
+        fix = ("make room: option.gpu_memory_utilization, option.tensor_parallel_degree, "
+               "option.max_rolling_batch_prefill_tokens" if machine.is_gpu else "set option.kv_cache_memory")
+        return [f"does not fit: the KV cache holds {f['kv_tokens']:,} tokens per rank, less than one sequence of "
+                f"max_model_len={work.max_model_len:,}; set option.max_model_len to {f['kv_tokens']:,} or less, "
+                f"or {fix}"]
+    return []
+
+
+def _is_explicit_kv(machine: Machine, work: Workload) -> bool:
+    """An option.kv_cache_memory the user chose is served as asked (longer requests get 507)."""
+    return not machine.is_gpu and work.kv_cache_bytes is not None
+
+
+def _notes(machine: Machine, work: Workload, kv_tokens: int, seqs: int) -> list[str]:
+    notes = []
+    if kv_tokens < work.max_model_len and _is_explicit_kv(machine, work):
+        notes.append(f"option.kv_cache_memory holds {kv_tokens:,} tokens, less than one sequence of max_model_len="
+                     f"{work.max_model_len:,}: longer requests are refused with 507")
+    if seqs < work.max_num_seqs:
+        notes.append(f"option.max_rolling_batch_size={work.max_num_seqs} cannot be reached: {seqs} sequences of "
+                     f"{work.sequence_tokens:,} tokens fit; set it to {seqs} or shorten the sequences")
+    if kv_tokens < work.max_num_batched_tokens:
+        notes.append(f"option.max_rolling_batch_prefill_tokens={work.max_num_batched_tokens} cannot be reached: "
+                     f"the KV cache holds {kv_tokens:,} tokens; set it to {kv_tokens} or less")
+    return notes
+
+
+def gib(n: int) -> str:
+    """Bytes for people: GiB with two decimals, MiB or KiB below a GiB."""
+    for unit, size in (("GiB", GIB), ("MiB", 2**20)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n / 1024:.2f} KiB"
+
+
+def count(n: int) -> str:
+    """205,120 → "205.1 K"; 6,738,415,616 → "6.74 B"."""
+    for unit, size in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= size:
+            return f"{n / size:.{2 if unit == 'B' else 1}f} {unit}"
+    return str(n)
+
+
+def available_ram() -> int:
+    """MemAvailable of /proc/meminfo (what can be allocated without swapping), in bytes."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

@@ -1,0 +1,112 @@
+"""The load-optimised checkpoint cache (option.load_cache_dir), on the real loader and real files."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+
+import pytest
+import torch
+
+from engines.config import ModelConfig
+from engines.load_cache import ALIGN, cache_paths
+from engines.worker.model_runner import ModelRunner
+
+PROMPTS = [[1, 5, 6, 7, 8, 9], [1, 20, 21]]
+
+
+def load(model_dir, cache_dir=None) -> ModelRunner:
+    config = ModelConfig(local_dir=str(model_dir), dtype="fp32", load_cache_dir=cache_dir and str(cache_dir))
+    runner = ModelRunner(config, 1024)
+    runner.load()
+    return runner
+
+
+def same_weights(a: ModelRunner, b: ModelRunner) -> bool:
+    pa, pb = dict(a.model.named_parameters()), dict(b.model.named_parameters())
+    return pa.keys() == pb.keys() and all(torch.equal(pa[n], pb[n]) for n in pa)
+
+
+@pytest.fixture
+def model_copy(tiny_model, tmp_path):
+    copy = tmp_path / "model"
+    shutil.copytree(tiny_model, copy)
+    return copy
+
+
+def messages(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "engines.loader"]
+
+
+def test_first_load_writes_the_cache_and_the_next_reads_it(model_copy, tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    reference = load(model_copy)
+    first = load(model_copy, tmp_path / "cache")
+    bin_path, index_path = cache_paths(str(tmp_path / "cache"), str(model_copy), torch.float32, 0, 1)
+    assert any(m.startswith(f"load cache {bin_path}: no cache yet") for m in messages(caplog))
+    index = json.loads(open(index_path).read())["tensors"]
+    assert set(index) == set(dict(reference.model.named_parameters()))
+    assert all(e["offset"] % ALIGN == 0 for e in index.values())
+    # 205,120 fp32 parameters, each tensor at a 4 KiB boundary
+    assert sum(e["nbytes"] for e in index.values()) == 205_120 * 4
+    caplog.clear()
+    second = load(model_copy, tmp_path / "cache")
+    assert any(m.startswith("loaded ") and f"from the load cache {bin_path}" in m for m in messages(caplog))
+    assert same_weights(first, reference) and same_weights(second, reference)
+    logits, _ = second.prefill(PROMPTS)
+    assert torch.equal(logits, reference.prefill(PROMPTS)[0])
+
+
+def test_a_corrupted_cache_is_detected_and_rebuilt(model_copy, tmp_path, caplog):
+    reference = load(model_copy, tmp_path / "cache")
+    bin_path, index_path = cache_paths(str(tmp_path / "cache"), str(model_copy), torch.float32, 0, 1)
+    entry = json.loads(open(index_path).read())["tensors"]["norm.weight"]
+    with open(bin_path, "r+b") as f:  # flip one byte of one tensor
+        f.seek(entry["offset"] + 5)
+        byte = f.read(1)
+        f.seek(entry["offset"] + 5)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    caplog.set_level(logging.INFO)
+    rebuilt = load(model_copy, tmp_path / "cache")
+    assert f"load cache {bin_path}: corrupt: CRC-32 mismatch in norm.weight; loading the safetensors files " \
+           "and rebuilding it" in messages(caplog)
+    assert same_weights(rebuilt, reference)
+    caplog.clear()
+    again = load(model_copy, tmp_path / "cache")  # the rebuilt cache is whole again
+    assert any(f"from the load cache {bin_path}" in m for m in messages(caplog))
+    assert same_weights(again, reference)
+
+
+def test_a_truncated_cache_is_detected(model_copy, tmp_path, caplog):
+    load(model_copy, tmp_path / "cache")
+    bin_path, _ = cache_paths(str(tmp_path / "cache"), str(model_copy), torch.float32, 0, 1)
+    with open(bin_path, "r+b") as f:
+        f.truncate(1000)
+    caplog.set_level(logging.INFO)
+    load(model_copy, tmp_path / "cache")
+    assert any(m.startswith(f"load cache {bin_path}: truncated: 1000 bytes") for m in messages(caplog))
+
+
+def test_a_changed_checkpoint_makes_the_cache_stale(model_copy, tmp_path, caplog):
+    from container.model_maker import make_model
+
+    load(model_copy, tmp_path / "cache")
+    make_model(str(model_copy), seed=1)  # new weights, same shapes
+    caplog.set_level(logging.INFO)
+    fresh = load(model_copy, tmp_path / "cache")
+    bin_path, _ = cache_paths(str(tmp_path / "cache"), str(model_copy), torch.float32, 0, 1)
+    assert f"load cache {bin_path}: stale: the checkpoint files changed; loading the safetensors files and " \
+           "rebuilding it" in messages(caplog)
+    assert same_weights(fresh, load(model_copy))
+
+
+def test_a_server_restarted_with_a_load_cache_reads_it(tiny_model, tmp_path, start_server, hf):
+    properties = f"option.load_cache_dir={tmp_path / 'cache'}\noption.dtype=fp32\noption.max_rolling_batch_size=4\n"
+    first = start_server(properties, tiny_model)
+    assert "load cache written: " in first.log()
+    assert first.stop() == 0
+    second = start_server(properties, tiny_model)
+    assert "from the load cache" in second.log()
+    body = second.post({"inputs": "The river ran", "parameters": {"max_new_tokens": 12, "details": True}}).json()
+    assert [t["id"] for t in body["details"]["tokens"]] == hf("The river ran", 12)
