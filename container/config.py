@@ -221,9 +221,22 @@ def build(cfg: ResolvedConfig, *, local_dir: str, architecture: str | None,
                           default_max_new_tokens=cfg["option.max_new_tokens"],
                           model_loading_timeout_s=float(cfg["option.model_loading_timeout"]),
                           max_inputs_per_request=cfg["max_inputs_per_request"],
-                          max_input_chars=cfg["max_input_chars"], drain_timeout_s=float(cfg["drain_timeout"]))
+                          max_input_chars=cfg["max_input_chars"], drain_timeout_s=float(cfg["drain_timeout"]),
+                          served_model_name=served_model_name(cfg, local_dir),
+                          chat_template=cfg["option.chat_template"])
     return LmiConfig(model=model, scheduler=scheduler,
                      parallel=ParallelConfig(use_mpi=use_mpi, tensor_parallel_degree=tp), server=server)
+
+
+def served_model_name(cfg: ResolvedConfig, local_dir: str) -> str:
+    """option.served_model_name, else option.model_id when it names a remote model (a hub id or an
+    s3:// prefix), else the model directory's name (as vLLM names a model after what was asked for)."""
+    if cfg["option.served_model_name"]:
+        return cfg["option.served_model_name"]
+    model_id = cfg["option.model_id"]
+    if model_id and not os.path.exists(os.path.expanduser(model_id)):
+        return model_id
+    return os.path.basename(os.path.normpath(model_id or local_dir or "model")) or "model"
 
 
 def read_architecture(local_dir: str | None) -> str | None:

@@ -137,6 +137,11 @@ KEYS: tuple[Key, ...] = (
     Key("option.enable_prefix_caching", boolean, False, "reuse KV blocks of shared prompt prefixes"),
     Key("option.enforce_eager", boolean, False, "no CUDA graphs / torch.compile"),
     Key("option.max_new_tokens", integer(1), 30, "default max_new_tokens of a request"),
+    Key("option.served_model_name", text, None,
+        "the model name /v1/models lists and OpenAI requests must use (default: option.model_id when it is "
+        "not a local path, else the model dir's name)"),
+    Key("option.chat_template", text, None,
+        "chat template: a file path or an inline Jinja template (default: the tokenizer's)"),
     Key("option.quantize", text, None, "quantization method (not supported yet: refused at start)"),
 )
 
