@@ -242,6 +242,8 @@ def build_app(service: Service) -> Flask:
             return djl_chat(run_openai, render_chat, service, body)
         req = _parse(body, None, lambda b, _: parse_request(
             b, limits=service.limits, default_max_new_tokens=service.config.server.default_max_new_tokens))
+        if req.ignored_parameters:
+            log.warning("[%s] ignoring unknown parameters: %s", g.log_id, ", ".join(req.ignored_parameters))
         if req.stream and service.is_dynamic:
             raise bad_request("streaming is not supported with dynamic batching (batch_size>1 or "
                               "option.rolling_batch=disable); send \"stream\": false")

@@ -125,10 +125,27 @@ _KNOWN = {"max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "repet
           "frequency_penalty"}
 
 
+# Parameters LMI, TGI or vLLM define that we do not implement, with the value that changes nothing
+# (accepted); any other value is a 400 naming the parameter, never a 200 that silently ignored it.
+UNSUPPORTED = {"n": 1, "best_of": 1, "num_beams": 1, "typical_p": 1.0, "min_p": 0.0, "truncate": None,
+               "watermark": False, "grammar": None, "logprobs": None, "prompt_logprobs": None,
+               "length_penalty": 1.0, "early_stopping": False, "include_stop_str_in_output": False,
+               "skip_special_tokens": True, "spaces_between_special_tokens": True, "use_beam_search": False,
+               "min_tokens": 0, "min_new_tokens": 0, "logit_bias": None, "bad_words": None, "adapters": None,
+               "decoder_input_details": False}
+
+
+def _refuse_unsupported(params: dict) -> None:
+    for name, harmless in UNSUPPORTED.items():
+        value = params.get(name)
+        if value is not None and value != harmless and value not in ({}, []):
+            raise bad_request(f"\"parameters.{name}\" is not supported by lmi-serve (only {json.dumps(harmless)}); "
+                              "remove it", name)
+
+
 def _build(inputs, is_list, params: dict, stream: bool, default_max_new_tokens: int) -> GenerationRequest:
-    ignored = tuple(sorted(k for k in params if k not in _KNOWN))
-    if ignored:
-        log.warning("ignoring unknown parameters: %s", ", ".join(ignored))
+    _refuse_unsupported(params)
+    ignored = tuple(sorted(k for k in params if k not in _KNOWN and k not in UNSUPPORTED))
     sampling = sampling_params(
         params, do_sample=_bool(params, "do_sample", False),
         max_new_tokens=_int(params, "max_new_tokens", default_max_new_tokens, minimum=1),
