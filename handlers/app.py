@@ -129,6 +129,10 @@ class Service:
                                        self.interrupted))
         return gens
 
+    def streams_by_default(self, req: GenerationRequest) -> bool:
+        """option.output_formatter=jsonlines|sse streams every one-input request, as DJL does."""
+        return self.config.server.output_formatter != "json" and not self.is_dynamic and not req.is_list
+
     def deadline(self) -> float:
         return time.monotonic() + self.config.scheduler.predict_timeout_s
 
@@ -254,7 +258,7 @@ def build_app(service: Service) -> Flask:
         sock = request.environ.get("gunicorn.socket")
         is_gone = lambda: client_gone(sock)  # noqa: E731
         deadline = service.deadline()
-        if req.stream:
+        if req.stream or service.streams_by_default(req):
             return _stream(gens[0], req, deadline, is_gone)
         try:
             bodies = [response_body(gen, collect(gen, deadline, is_gone), req) for gen in gens]

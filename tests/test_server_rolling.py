@@ -196,3 +196,18 @@ def test_harmless_values_of_unimplemented_parameters_and_unknown_names_are_accep
     assert resp.status_code == 200
     rid = resp.headers["X-Request-Id"]
     wait_for(lambda: f"[{rid}] ignoring unknown parameters: my_own_knob" in server.log(), 5, "the warning")
+
+
+@pytest.mark.parametrize("formatter,mime,prefix", [("jsonlines", "application/jsonlines", ""),
+                                                   ("sse", "text/event-stream", "data: ")])
+def test_output_formatter_streams_invocations_as_djl_does(start_server, tiny_model, hf, formatter, mime, prefix):
+    srv = start_server(f"engine=Python\noption.rolling_batch=scheduler\noption.dtype=fp32\n"
+                       f"option.output_formatter={formatter}\n", tiny_model)
+    resp = srv.post({"inputs": "The river ran", "parameters": {"max_new_tokens": 4}})
+    assert resp.status_code == 200 and resp.headers["Content-Type"].startswith(mime)
+    lines = [line for line in resp.text.split("\n") if line]
+    assert all(line.startswith(prefix) for line in lines) and len(lines) == 4
+    last = json.loads(lines[-1][len(prefix):])
+    assert last["generated_text"] == hf.decode(hf("The river ran", 4))
+    listed = srv.post({"inputs": ["The river ran"], "parameters": {"max_new_tokens": 4}})
+    assert listed.headers["Content-Type"] == "application/json" and len(listed.json()) == 1
