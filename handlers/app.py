@@ -35,6 +35,7 @@ from handlers.metrics import render as render_metrics
 from handlers.chat_template import ChatTemplate
 from handlers.openai_routes import djl_chat
 from handlers.openai_routes import register as register_openai
+from handlers.tgi_routes import register as register_tgi
 from handlers.schemas import GenerationRequest, RequestLimits, parse_body, parse_request
 from handlers.tokenizer import TextTokenizer
 
@@ -282,6 +283,7 @@ def build_app(service: Service) -> Flask:
 
     run_openai, render_chat = register_openai(
         app, service, lambda: read_body(request.environ, request.content_length, max_body), _json)
+    register_tgi(app, service, lambda: read_body(request.environ, request.content_length, max_body), _json)
 
     def _stream(gen: Generation, req: GenerationRequest, deadline: float, is_gone) -> Response:
         """The status line waits for the first token: a request refused before it gets its real status."""

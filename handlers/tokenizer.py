@@ -16,6 +16,7 @@ class TextTokenizer:
             raise FileNotFoundError(f"no tokenizer.json in {model_dir}: the HTTP workers need a fast tokenizer")
         self._tok = Tokenizer.from_file(path)
         self.eos_token_id = self._special_id(model_dir, "eos_token")
+        self.special_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
 
     def _special_id(self, model_dir: str, name: str) -> int | None:
         cfg_path = os.path.join(model_dir, "tokenizer_config.json")
