@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from container.keys import ACCEPTED_UNUSED, KEY_ALIASES, KEYS, KEYS_BY_NAME, ConfigError
+from container.keys import ACCEPTED_UNUSED, FOREIGN_KEYS, KEY_ALIASES, KEYS, KEYS_BY_NAME, ConfigError
 from engines.config import (
     ENGINE_DYNAMIC, ENGINE_PAGED, ENGINE_ROLLING, NATIVE_ARCHITECTURES,
     LmiConfig, ModelConfig, ParallelConfig, SchedulerConfig, ServerConfig,
@@ -70,7 +70,7 @@ def collect_raw(properties: Mapping[str, str], env: Mapping[str, str]) -> tuple[
     raw: dict[str, tuple[str, str]] = {}
     warnings: list[str] = []
     for key, value in properties.items():
-        raw[KEY_ALIASES.get(key, key)] = (value, FILE)
+        _put(raw, key, value, FILE)
     checked = {key for key in raw}  # file keys and OPTION_* keys get "did you mean" hints
     for name, value in sorted(env.items()):
         value = value.strip()
@@ -79,17 +79,33 @@ def collect_raw(properties: Mapping[str, str], env: Mapping[str, str]) -> tuple[
         key = _env_key(name)
         if key is None:
             continue
-        if key not in raw:
-            raw[key] = (value, f"{ENV} ({name})")
+        if KEY_ALIASES.get(key, key) not in raw:
+            _put(raw, key, value, f"{ENV} ({name})")
             if name.startswith("OPTION_"):
-                checked.add(key)
+                checked.add(KEY_ALIASES.get(key, key))
     for name, key in ENV_ALIASES:
         if (env.get(name) or "").strip() and key not in raw:
             raw[key] = (env[name].strip(), f"{ENV} ({name})")
     for key in sorted(checked):
-        if key not in KEYS_BY_NAME and key not in ACCEPTED_UNUSED:
+        if key in FOREIGN_KEYS:
+            warnings.append(f"{key} ({raw[key][1]}) is a DJL/vLLM setting lmi-serve does not implement: ignored")
+        elif key not in KEYS_BY_NAME and key not in ACCEPTED_UNUSED:
             warnings.append(_unknown_key_warning(key, raw[key][1]))
     return raw, warnings
+
+
+def _put(raw: dict[str, tuple[str, str]], key: str, value: str, source: str) -> None:
+    """Store under our name; an alias (vLLM's spelling) keeps its name in the source. The alias and
+    its key from the same source with different values: one line naming both."""
+    target = KEY_ALIASES.get(key, key)
+    if target != key:
+        source = f"{source} as {key}"
+    if target in raw and raw[target][1].split(" as ")[0] == source.split(" as ")[0] \
+            and raw[target][0].strip() != value.strip():
+        alias = key if key != target else raw[target][1].split(" as ")[-1]
+        raise ConfigError(f"{alias} and {target} disagree ({raw[target][0]!r} and {value!r}; {alias} is vLLM's "
+                          f"name for {target}); set only one of them")
+    raw[target] = (value, source)
 
 
 def _env_key(name: str) -> str | None:
@@ -136,7 +152,7 @@ def resolve(properties: Mapping[str, str], env: Mapping[str, str], *,
 
 def _check_static_contradictions(cfg: ResolvedConfig) -> None:
     rb = cfg["option.rolling_batch"]
-    if cfg["batch_size"] > 1 and rb in ("scheduler", "lmi-dist"):
+    if cfg["batch_size"] > 1 and rb in ("scheduler", "lmi-dist", "vllm"):
         raise ConfigError(
             f"batch_size={cfg['batch_size']} with option.rolling_batch={rb}: dynamic batching and "
             "rolling batch exclude each other; set batch_size=1 or option.rolling_batch=disable")
@@ -145,8 +161,8 @@ def _check_static_contradictions(cfg: ResolvedConfig) -> None:
         if paged and rb == "scheduler":
             raise ConfigError("option.paged_attention=true with option.rolling_batch=scheduler: the scheduler "
                               "engine uses a padded KV cache; use option.rolling_batch=lmi-dist or auto")
-        if not paged and rb == "lmi-dist":
-            raise ConfigError("option.paged_attention=false with option.rolling_batch=lmi-dist: lmi-dist is the "
+        if not paged and rb in ("lmi-dist", "vllm"):
+            raise ConfigError(f"option.paged_attention=false with option.rolling_batch={rb}: {rb} is the "
                               "paged engine; use option.rolling_batch=scheduler for a padded KV cache")
     if cfg["option.quantize"]:
         raise ConfigError(f"option.quantize={cfg['option.quantize']!r}: quantization is not supported yet; "
@@ -161,6 +177,9 @@ def select_engine(cfg: ResolvedConfig, architecture: str | None) -> str:
         return ENGINE_DYNAMIC
     if rb == "scheduler":
         return ENGINE_ROLLING
+    if rb == "vllm":
+        log.info("option.rolling_batch=vllm: serving with the paged engine (lmi-serve's vLLM-style engine)")
+        return ENGINE_PAGED
     if rb == "lmi-dist":
         return ENGINE_PAGED
     if not cfg["option.paged_attention"] or is_fallback_architecture(cfg, architecture):
@@ -196,6 +215,10 @@ def build(cfg: ResolvedConfig, *, local_dir: str, architecture: str | None,
     kind = select_engine(cfg, architecture)
     tp = resolve_tensor_parallel(cfg, num_gpus, num_cpus)
     use_mpi = cfg["engine"] == "MPI"
+    if tp > 1 and kind != ENGINE_DYNAMIC and not cfg.is_set("engine"):
+        log.info("engine=MPI chosen: option.tensor_parallel_degree=%d with a rolling-batch engine and engine "
+                 "unset (as DJL does for lmi-dist)", tp)
+        use_mpi = True
     if use_mpi and kind == ENGINE_DYNAMIC:
         raise ConfigError("engine=MPI with dynamic batching: MPI runs the rolling-batch engines; "
                           "use engine=Python for batch_size>1 / option.rolling_batch=disable")
@@ -222,9 +245,22 @@ def build(cfg: ResolvedConfig, *, local_dir: str, architecture: str | None,
                           default_max_new_tokens=cfg["option.max_new_tokens"],
                           model_loading_timeout_s=float(cfg["option.model_loading_timeout"]),
                           max_inputs_per_request=cfg["max_inputs_per_request"],
-                          max_input_chars=cfg["max_input_chars"], drain_timeout_s=float(cfg["drain_timeout"]))
+                          max_input_chars=cfg["max_input_chars"], drain_timeout_s=float(cfg["drain_timeout"]),
+                          served_model_name=served_model_name(cfg, local_dir),
+                          chat_template=cfg["option.chat_template"])
     return LmiConfig(model=model, scheduler=scheduler,
                      parallel=ParallelConfig(use_mpi=use_mpi, tensor_parallel_degree=tp), server=server)
+
+
+def served_model_name(cfg: ResolvedConfig, local_dir: str) -> str:
+    """option.served_model_name, else option.model_id when it names a remote model (a hub id or an
+    s3:// prefix), else the model directory's name (as vLLM names a model after what was asked for)."""
+    if cfg["option.served_model_name"]:
+        return cfg["option.served_model_name"]
+    model_id = cfg["option.model_id"]
+    if model_id and not os.path.exists(os.path.expanduser(model_id)):
+        return model_id
+    return os.path.basename(os.path.normpath(model_id or local_dir or "model")) or "model"
 
 
 def read_architecture(local_dir: str | None) -> str | None:

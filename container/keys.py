@@ -120,8 +120,8 @@ KEYS: tuple[Key, ...] = (
     Key("option.dtype", choice("fp32", "fp16", "bf16", "auto"), None,
         "weight dtype; default fp16 on GPU, bf16 on CPU; auto = the checkpoint's torch_dtype"),
     Key("option.tensor_parallel_degree", tensor_parallel, 1, "ranks per model copy; max = all GPUs"),
-    Key("option.rolling_batch", choice("auto", "scheduler", "lmi-dist", "disable"), "auto",
-        "auto, scheduler (padded KV), lmi-dist (paged KV) or disable (dynamic batching)"),
+    Key("option.rolling_batch", choice("auto", "scheduler", "lmi-dist", "vllm", "disable"), "auto",
+        "auto, scheduler (padded KV), lmi-dist or vllm (paged KV) or disable (dynamic batching)"),
     Key("option.paged_attention", boolean, True, "with rolling_batch=auto: paged (true) or padded (false) KV cache"),
     Key("option.max_rolling_batch_size", integer(1), 32, "max_num_seqs: rows in the running batch"),
     Key("option.max_rolling_batch_prefill_tokens", integer(1), 1024, "max_num_batched_tokens per step"),
@@ -141,6 +141,11 @@ KEYS: tuple[Key, ...] = (
     Key("option.load_cache_dir", text, None,
         "directory for a load-optimised copy of each rank's weights: written on the first start, read on later "
         "ones (native models)"),
+    Key("option.served_model_name", text, None,
+        "the model name /v1/models lists and OpenAI requests must use (default: option.model_id when it is "
+        "not a local path, else the model dir's name)"),
+    Key("option.chat_template", text, None,
+        "chat template: a file path or an inline Jinja template (default: the tokenizer's)"),
     Key("option.quantize", text, None, "quantization method (not supported yet: refused at start)"),
 )
 
@@ -154,5 +159,22 @@ ACCEPTED_UNUSED = frozenset({
 
 KEYS_BY_NAME = {k.name: k for k in KEYS}
 
-# DJL's alias for batch_size.
-KEY_ALIASES = {"max_dynamic_batch_size": "batch_size"}
+# DJL's alias for batch_size, and vLLM's engine-argument spellings of our keys (current LMI images
+# write these); an alias and its key both set to different values is an error.
+KEY_ALIASES = {"max_dynamic_batch_size": "batch_size",
+               "option.max_num_seqs": "option.max_rolling_batch_size",
+               "option.max_num_batched_tokens": "option.max_rolling_batch_prefill_tokens"}
+
+# DJL and vLLM settings lmi-serve does not implement: ignored with a warning that says so, never
+# with a "did you mean" pointing at an unrelated key of ours.
+FOREIGN_KEYS = frozenset({
+    "option.max_logprobs", "option.enable_chunked_prefill", "option.cpu_offload_gb_per_gpu", "option.cpu_offload_gb",
+    "option.enable_lora", "option.max_loras", "option.max_lora_rank", "option.lora_extra_vocab_size",
+    "option.max_cpu_loras", "option.speculative_draft_model", "option.speculative_length",
+    "option.draft_model_tp_size", "option.record_acceptance_rate", "option.pipeline_parallel_degree",
+    "option.decoding_strategy", "option.max_sparsity", "option.max_splits", "option.waiting_steps",
+    "option.swap_space", "option.block_size", "option.seed", "option.tokenizer", "option.tokenizer_mode",
+    "option.max_input_len", "option.max_output_len", "option.async_mode", "option.use_passive_workers",
+    "option.tgi_compat", "option.image_placeholder_token", "option.enable_venv", "option.pythonExecutable",
+    "option.env", "option.handler", "option.max_seq_len_to_capture", "option.num_scheduler_steps",
+})

@@ -1,4 +1,5 @@
-"""`lmi make-model`: a random-weight model plus a tokenizer trained on local text, as safetensors.
+"""`lmi make-model`: a random-weight model plus a tokenizer (with a chat template) trained on local
+text, as safetensors.
 
 Deterministic for a seed (same bytes for the same seed, architecture and size). Random weights give
 nearly flat logits, where the float rounding of different batch shapes can flip a greedy choice;
@@ -25,6 +26,15 @@ VOCAB_SIZE = 1024
 INIT_RANGE = 0.1
 LM_HEAD_SCALE = 4.0
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")
+# A Zephyr-style chat template (what the OpenAI and chat routes render); it starts with the BOS token,
+# so a rendered prompt is tokenized without adding special tokens, as transformers and vLLM do.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('roles are system, user and assistant, not ' + message['role']) }}{% endif %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 
 
 def corpus_lines() -> list[str]:
@@ -46,8 +56,10 @@ def train_tokenizer(vocab_size: int = VOCAB_SIZE):
     bos = tok.token_to_id("<s>")
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
                                                        special_tokens=[("<s>", bos)])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
                                    pad_token="<pad>", padding_side="left")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
 
 
 def model_config(arch: str, size: str, tokenizer, overrides: dict | None = None):

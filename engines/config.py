@@ -66,6 +66,8 @@ class ServerConfig(msgspec.Struct, frozen=True):
     max_inputs_per_request: int = 256
     max_input_chars: int = 1_000_000
     drain_timeout_s: float = 20.0  # SageMaker kills the container 30 s after SIGTERM
+    served_model_name: str = "model"  # what /v1/models lists and OpenAI requests name
+    chat_template: str | None = None  # option.chat_template: a file path or an inline template
 
 
 class LmiConfig(msgspec.Struct, frozen=True):

@@ -12,10 +12,16 @@ class SamplingParams(msgspec.Struct, frozen=True):
     top_k: int = 0  # 0: no top-k cut
     top_p: float = 1.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0  # OpenAI/vLLM: subtracted once from each token already generated
+    frequency_penalty: float = 0.0  # OpenAI/vLLM: subtracted per occurrence in the generated tokens
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     top_n_tokens: int = 0
+
+    @property
+    def has_output_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
     def is_greedy(self) -> bool:

@@ -18,7 +18,9 @@ import logging
 import os
 import time
 import uuid
+from dataclasses import replace
 
+import msgspec
 from flask import Flask, Response, g, request
 from werkzeug.exceptions import HTTPException
 
@@ -30,6 +32,10 @@ from handlers.errors import HttpError, bad_request
 from handlers.formatters import JSONLINES, SSE, collect, response_body, stream_lines
 from handlers.generation import ClientGone, Generation, client_gone
 from handlers.metrics import render as render_metrics
+from handlers.chat_template import ChatTemplate
+from handlers.openai_routes import djl_chat
+from handlers.openai_routes import register as register_openai
+from handlers.tgi_routes import register as register_tgi
 from handlers.schemas import GenerationRequest, RequestLimits, parse_body, parse_request
 from handlers.tokenizer import TextTokenizer
 
@@ -44,8 +50,10 @@ class Service:
     """What the routes share in one worker process."""
 
     def __init__(self, config: LmiConfig, client: EngineClient, tokenizer: TextTokenizer,
-                 run_dir: str | None = None):
+                 run_dir: str | None = None, chat_template: ChatTemplate | None = None):
         self.config = config
+        self.chat_template = chat_template
+        self.started_at = time.time()
         self.run_dir = run_dir
         self.client = client
         self.tokenizer = tokenizer
@@ -97,16 +105,34 @@ class Service:
 
     def start(self, req: GenerationRequest, request_id: str) -> list[Generation]:
         """Tokenize, check lengths, and send every input to the engine."""
-        prompts = [self.tokenizer.encode(text) for text in req.inputs]
-        for i, ids in enumerate(prompts):
+        return self.launch(req, [(self.tokenizer.encode(text), text) for text in req.inputs], request_id)
+
+    def launch(self, req: GenerationRequest, prompts: list[tuple[list[int], str]], request_id: str,
+               copies: int = 1) -> list[Generation]:
+        """Send `copies` generations of every (token ids, text) prompt to the engine, in that order.
+        Copies after the first of a seeded request get seed + k, so they differ and still repeat."""
+        if self.is_dynamic and req.sampling.has_output_penalties:
+            raise bad_request("presence_penalty and frequency_penalty need a rolling-batch engine "
+                              "(dynamic batching runs HF generate, which has neither)")
+        for i, (ids, _) in enumerate(prompts):
             total = len(ids) + req.sampling.max_new_tokens
             if total > self.max_model_len:
-                where = f"input {i}" if req.is_list else "the input"
+                where = f"input {i}" if len(prompts) > 1 else "the input"
                 raise bad_request(f"{where} has {len(ids)} tokens and max_new_tokens is "
                                   f"{req.sampling.max_new_tokens}: {total} exceeds the model's maximum "
                                   f"length of {self.max_model_len} tokens")
-        return [Generation(self.client, f"{request_id}-{i}", ids, text, req, self.tokenizer, self.interrupted)
-                for i, (ids, text) in enumerate(zip(prompts, req.inputs))]
+        gens: list[Generation] = []
+        for ids, text in prompts:
+            for k in range(copies):
+                copy = req if k == 0 or req.sampling.seed is None else \
+                    replace(req, sampling=msgspec.structs.replace(req.sampling, seed=req.sampling.seed + k))
+                gens.append(Generation(self.client, f"{request_id}-{len(gens)}", ids, text, copy, self.tokenizer,
+                                       self.interrupted))
+        return gens
+
+    def streams_by_default(self, req: GenerationRequest) -> bool:
+        """option.output_formatter=jsonlines|sse streams every one-input request, as DJL does."""
+        return self.config.server.output_formatter != "json" and not self.is_dynamic and not req.is_list
 
     def deadline(self) -> float:
         return time.monotonic() + self.config.scheduler.predict_timeout_s
@@ -116,13 +142,14 @@ def create_app(run_dir: str) -> Flask:
     config = LmiConfig.read(os.path.join(run_dir, "config.json"))
     try:
         tokenizer = TextTokenizer(config.model.local_dir)
+        template = ChatTemplate.load(config.model.local_dir, config.server.chat_template)
     except Exception as exc:  # the launcher reports this sentence as the reason the server did not start
-        write_failure(run_dir, "http", f"the HTTP workers could not load the tokenizer: {exc}")
+        write_failure(run_dir, "http", f"the HTTP workers could not load the tokenizer or chat template: {exc}")
         raise
     sched = config.scheduler
     client = EngineClient(engine_socket_path(run_dir), high_water_mark(sched.job_queue_size, sched.max_num_seqs),
                           refresh_health=True)
-    return build_app(Service(config, client, tokenizer, run_dir))
+    return build_app(Service(config, client, tokenizer, run_dir, template))
 
 
 def read_body(environ: dict, content_length: int | None, limit: int) -> bytes:
@@ -167,7 +194,7 @@ def build_app(service: Service) -> Flask:
     @app.errorhandler(HttpError)
     def _http_error(err: HttpError):
         log.info("[%s] %d %s", g.get("log_id"), err.code, err.message)
-        return err.response()
+        return err.response(openai=request.path.startswith("/v1/"))
 
     @app.errorhandler(HTTPException)
     def _werkzeug_error(err: HTTPException):
@@ -215,7 +242,13 @@ def build_app(service: Service) -> Flask:
     @app.post("/invocations")
     @app.post("/predictions/<model_name>")
     def invocations(model_name: str | None = None):
-        req = _parse(read_body(request.environ, request.content_length, max_body), request.content_type)
+        body = _parse(read_body(request.environ, request.content_length, max_body), request.content_type, parse_body)
+        if isinstance(body, dict) and "messages" in body:
+            return djl_chat(run_openai, render_chat, service, body)
+        req = _parse(body, None, lambda b, _: parse_request(
+            b, limits=service.limits, default_max_new_tokens=service.config.server.default_max_new_tokens))
+        if req.ignored_parameters:
+            log.warning("[%s] ignoring unknown parameters: %s", g.log_id, ", ".join(req.ignored_parameters))
         if req.stream and service.is_dynamic:
             raise bad_request("streaming is not supported with dynamic batching (batch_size>1 or "
                               "option.rolling_batch=disable); send \"stream\": false")
@@ -226,7 +259,7 @@ def build_app(service: Service) -> Flask:
         sock = request.environ.get("gunicorn.socket")
         is_gone = lambda: client_gone(sock)  # noqa: E731
         deadline = service.deadline()
-        if req.stream:
+        if req.stream or service.streams_by_default(req):
             return _stream(gens[0], req, deadline, is_gone)
         try:
             bodies = [response_body(gen, collect(gen, deadline, is_gone), req) for gen in gens]
@@ -239,15 +272,18 @@ def build_app(service: Service) -> Flask:
         log.info("[%s] %d input(s), %s tokens", g.log_id, len(gens), [gen.num_generated_tokens for gen in gens])
         return _json(bodies if service.is_dynamic or req.is_list else bodies[0], 200)
 
-    def _parse(raw: bytes, content_type: str | None) -> GenerationRequest:
+    def _parse(raw, content_type: str | None, parse):
         try:
-            return parse_request(parse_body(raw, content_type), limits=service.limits,
-                                 default_max_new_tokens=service.config.server.default_max_new_tokens)
+            return parse(raw, content_type)
         except HttpError:
             raise
         except Exception as exc:  # whatever the body holds, a parse failure is the client's: 400
             log.warning("[%s] unparsable request: %r", g.log_id, exc)
             raise bad_request(f"the request could not be parsed: {type(exc).__name__}") from None
+
+    run_openai, render_chat = register_openai(
+        app, service, lambda: read_body(request.environ, request.content_length, max_body), _json)
+    register_tgi(app, service, lambda: read_body(request.environ, request.content_length, max_body), _json)
 
     def _stream(gen: Generation, req: GenerationRequest, deadline: float, is_gone) -> Response:
         """The status line waits for the first token: a request refused before it gets its real status."""

@@ -121,30 +121,36 @@ def _check_text(text: str, where: str, limits: RequestLimits | None = None) -> N
 
 _KNOWN = {"max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "repetition_penalty", "seed",
           "stop_sequences", "stop", "ignore_eos", "ignore_eos_token", "details", "return_full_text",
-          "decoder_input_details", "top_n_tokens", "stop_token_ids", "stream"}
+          "decoder_input_details", "top_n_tokens", "stop_token_ids", "stream", "presence_penalty",
+          "frequency_penalty"}
+
+
+# Parameters LMI, TGI or vLLM define that we do not implement, with the value that changes nothing
+# (accepted); any other value is a 400 naming the parameter, never a 200 that silently ignored it.
+UNSUPPORTED = {"n": 1, "best_of": 1, "num_beams": 1, "typical_p": 1.0, "min_p": 0.0, "truncate": None,
+               "watermark": False, "grammar": None, "logprobs": None, "prompt_logprobs": None,
+               "length_penalty": 1.0, "early_stopping": False, "include_stop_str_in_output": False,
+               "skip_special_tokens": True, "spaces_between_special_tokens": True, "use_beam_search": False,
+               "min_tokens": 0, "min_new_tokens": 0, "logit_bias": None, "bad_words": None, "adapters": None,
+               "decoder_input_details": False}
+
+
+def _refuse_unsupported(params: dict) -> None:
+    for name, harmless in UNSUPPORTED.items():
+        value = params.get(name)
+        if value is not None and value != harmless and value not in ({}, []):
+            raise bad_request(f"\"parameters.{name}\" is not supported by lmi-serve (only {json.dumps(harmless)}); "
+                              "remove it", name)
 
 
 def _build(inputs, is_list, params: dict, stream: bool, default_max_new_tokens: int) -> GenerationRequest:
-    ignored = tuple(sorted(k for k in params if k not in _KNOWN))
-    if ignored:
-        log.warning("ignoring unknown parameters: %s", ", ".join(ignored))
-    do_sample = _bool(params, "do_sample", False)
-    temperature = _number(params, "temperature", 1.0, minimum=0.0)
-    top_k = _int(params, "top_k", 0, minimum=-1, maximum=INT32_MAX)
-    top_p = _number(params, "top_p", 1.0, minimum=0.0, maximum=1.0, open_low=True)
-    penalty = _number(params, "repetition_penalty", 1.0, minimum=0.0, open_low=True)
-    is_greedy = not do_sample or temperature < GREEDY_BELOW_TEMPERATURE  # temperature 0: greedy (vLLM, TGI)
-    sampling = SamplingParams(
+    _refuse_unsupported(params)
+    ignored = tuple(sorted(k for k in params if k not in _KNOWN and k not in UNSUPPORTED))
+    sampling = sampling_params(
+        params, do_sample=_bool(params, "do_sample", False),
         max_new_tokens=_int(params, "max_new_tokens", default_max_new_tokens, minimum=1),
-        do_sample=not is_greedy,
-        temperature=1.0 if is_greedy else max(temperature, MIN_TEMPERATURE),
-        top_k=max(top_k, 0), top_p=top_p,
-        repetition_penalty=min(max(penalty, REPETITION_PENALTY_RANGE[0]), REPETITION_PENALTY_RANGE[1]),
-        seed=_int(params, "seed", None, minimum=0),
         ignore_eos=_bool(params, "ignore_eos", False) or _bool(params, "ignore_eos_token", False),
-        stop_token_ids=tuple(_int_list(params, "stop_token_ids")),
-        top_n_tokens=_int(params, "top_n_tokens", 0, minimum=0, maximum=MAX_TOP_N_TOKENS),
-    )
+        top_n_tokens=_int(params, "top_n_tokens", 0, minimum=0, maximum=MAX_TOP_N_TOKENS))
     return GenerationRequest(
         inputs=inputs, is_list=is_list, sampling=sampling, stream=stream,
         details=_bool(params, "details", False), return_full_text=_bool(params, "return_full_text", False),
@@ -152,16 +158,36 @@ def _build(inputs, is_list, params: dict, stream: bool, default_max_new_tokens: 
         stop_sequences=_stop_sequences(params), ignored_parameters=ignored)
 
 
+def sampling_params(params: dict, *, do_sample: bool, max_new_tokens: int, ignore_eos: bool, top_n_tokens: int,
+                    where: str = "parameters.") -> SamplingParams:
+    """The sampling fields every route shares (temperature, top_k, top_p, penalties, seed, stop ids),
+    validated and normalised; the route decides do_sample, max_new_tokens and top_n_tokens."""
+    temperature = _number(params, "temperature", 1.0, minimum=0.0, where=where)
+    top_k = _int(params, "top_k", 0, minimum=-1, maximum=INT32_MAX, where=where)
+    top_p = _number(params, "top_p", 1.0, minimum=0.0, maximum=1.0, open_low=True, where=where)
+    penalty = _number(params, "repetition_penalty", 1.0, minimum=0.0, open_low=True, where=where)
+    is_greedy = not do_sample or temperature < GREEDY_BELOW_TEMPERATURE  # temperature 0: greedy (vLLM, TGI)
+    return SamplingParams(
+        max_new_tokens=max_new_tokens, do_sample=not is_greedy,
+        temperature=1.0 if is_greedy else max(temperature, MIN_TEMPERATURE),
+        top_k=max(top_k, 0), top_p=top_p,
+        repetition_penalty=min(max(penalty, REPETITION_PENALTY_RANGE[0]), REPETITION_PENALTY_RANGE[1]),
+        presence_penalty=_number(params, "presence_penalty", 0.0, minimum=-2.0, maximum=2.0, where=where),
+        frequency_penalty=_number(params, "frequency_penalty", 0.0, minimum=-2.0, maximum=2.0, where=where),
+        seed=_int(params, "seed", None, minimum=0, where=where), ignore_eos=ignore_eos,
+        stop_token_ids=tuple(_int_list(params, "stop_token_ids", where=where)), top_n_tokens=top_n_tokens)
+
+
 def _bool(params: dict, name: str, default, where: str = "parameters."):
     value = params.get(name, default)
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise bad_request(f"\"{where}{name}\" must be true or false, not {json.dumps(value)}")
+        raise bad_request(f"\"{where}{name}\" must be true or false, not {json.dumps(value)}", name)
     return value
 
 
-def _int(params: dict, name: str, default, *, minimum=-INT64_MAX - 1, maximum=INT64_MAX):
+def _int(params: dict, name: str, default, *, minimum=-INT64_MAX - 1, maximum=INT64_MAX, where="parameters."):
     value = params.get(name, default)
     if value is None:
         return default
@@ -169,52 +195,52 @@ def _int(params: dict, name: str, default, *, minimum=-INT64_MAX - 1, maximum=IN
         if isinstance(value, float) and value.is_integer() and abs(value) <= INT64_MAX:
             value = int(value)
         else:
-            raise bad_request(f"\"parameters.{name}\" must be an integer, not {json.dumps(value)}")
+            raise bad_request(f"\"{where}{name}\" must be an integer, not {json.dumps(value)}", name)
     if minimum is not None and value < minimum:
-        raise bad_request(f"\"parameters.{name}\" must be >= {minimum}, not {value}")
+        raise bad_request(f"\"{where}{name}\" must be >= {minimum}, not {value}", name)
     if maximum is not None and value > maximum:
-        raise bad_request(f"\"parameters.{name}\" must be <= {maximum}, not {value}")
+        raise bad_request(f"\"{where}{name}\" must be <= {maximum}, not {value}", name)
     return value
 
 
-def _number(params: dict, name: str, default, *, minimum=None, maximum=None, open_low=False):
+def _number(params: dict, name: str, default, *, minimum=None, maximum=None, open_low=False, where="parameters."):
     value = params.get(name, default)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise bad_request(f"\"parameters.{name}\" must be a number, not {json.dumps(value)}")
+        raise bad_request(f"\"{where}{name}\" must be a number, not {json.dumps(value)}", name)
     try:
         value = float(value)  # an integer beyond a double's range overflows here
     except OverflowError:
         value = float("inf")
     if value != value or value in (float("inf"), float("-inf")):
-        raise bad_request(f"\"parameters.{name}\" must be a finite number")
+        raise bad_request(f"\"{where}{name}\" must be a finite number", name)
     if minimum is not None and (value < minimum or (open_low and value == minimum)):
         op = ">" if open_low else ">="
-        raise bad_request(f"\"parameters.{name}\" must be {op} {minimum}, not {value}")
+        raise bad_request(f"\"{where}{name}\" must be {op} {minimum}, not {value}", name)
     if maximum is not None and value > maximum:
-        raise bad_request(f"\"parameters.{name}\" must be <= {maximum}, not {value}")
+        raise bad_request(f"\"{where}{name}\" must be <= {maximum}, not {value}", name)
     return value
 
 
-def _int_list(params: dict, name: str) -> list[int]:
+def _int_list(params: dict, name: str, where="parameters.") -> list[int]:
     value = params.get(name) or []
     if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= INT32_MAX
                                           for v in value):
-        raise bad_request(f"\"parameters.{name}\" must be a list of token ids (integers in [0, {INT32_MAX}])")
+        raise bad_request(f"\"{where}{name}\" must be a list of token ids (integers in [0, {INT32_MAX}])", name)
     return value
 
 
-def _stop_sequences(params: dict) -> tuple[str, ...]:
-    value = params.get("stop_sequences", params.get("stop"))
+def _stop_sequences(params: dict, name: str = "stop_sequences", where="parameters.") -> tuple[str, ...]:
+    value = params.get(name, params.get("stop"))
     if value is None:
         return ()
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
-        raise bad_request("\"parameters.stop_sequences\" must be a string or a list of non-empty strings")
+        raise bad_request(f"\"{where}{name}\" must be a string or a list of non-empty strings", name)
     for v in value:
-        _check_text(v, "\"parameters.stop_sequences\"")
+        _check_text(v, f"\"{where}{name}\"")
     return tuple(value)
 
 

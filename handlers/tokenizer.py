@@ -16,6 +16,7 @@ class TextTokenizer:
             raise FileNotFoundError(f"no tokenizer.json in {model_dir}: the HTTP workers need a fast tokenizer")
         self._tok = Tokenizer.from_file(path)
         self.eos_token_id = self._special_id(model_dir, "eos_token")
+        self.special_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
 
     def _special_id(self, model_dir: str, name: str) -> int | None:
         cfg_path = os.path.join(model_dir, "tokenizer_config.json")
@@ -27,10 +28,14 @@ class TextTokenizer:
             token = token.get("content")
         return self._tok.token_to_id(token) if isinstance(token, str) else None
 
-    def encode(self, text: str) -> list[int]:
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # encode_batch releases the GIL (encode does not): a long prompt never stalls the worker's
         # other threads, nor the heartbeat that keeps gunicorn from killing the worker
-        return self._tok.encode_batch([text], add_special_tokens=True)[0].ids
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)

@@ -93,13 +93,17 @@ def hf_oracle(model_dir):
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
-    def generate(prompt: str, max_new_tokens: int) -> list[int]:
-        enc = tok(prompt, return_tensors="pt")
+    def generate(prompt: str | list[int], max_new_tokens: int) -> list[int]:
+        """`prompt`: text (tokenized with special tokens, as /invocations does) or token ids."""
+        enc = tok(prompt, return_tensors="pt") if isinstance(prompt, str) else \
+            {"input_ids": torch.tensor([prompt]), "attention_mask": torch.ones(1, len(prompt), dtype=torch.long)}
         out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
-        ids = out[0, enc.input_ids.shape[1]:].tolist()
+        ids = out[0, enc["input_ids"].shape[1]:].tolist()
         return ids[: ids.index(tok.eos_token_id) + 1] if tok.eos_token_id in ids else ids
 
     generate.decode = lambda ids: tok.decode(ids, skip_special_tokens=True)
+    generate.tokenizer = tok
+    generate.model = model
     return generate
 
 

@@ -273,3 +273,35 @@ def test_two_requests_with_the_same_seed_in_one_batch_draw_independently_the_sam
     first = [s.sample(logits, ids, params, [[], [], []]).token_ids for _ in range(5)]
     assert all(t[0] == t[2] for t in first)
     assert len({t[0] for t in first}) > 1
+
+
+def test_presence_and_frequency_penalties_match_the_openai_formula():
+    """logit[t] -= frequency * count(t in output) + presence * (count > 0), per row, prompt excluded."""
+    vocab = 30
+    logits = rand_logits(3, vocab, seed=11)
+    outputs = [[4, 4, 9, 4], [2, 7], [5, 5]]
+    prompts = [[1, 2, 3], [8], [0]]  # the prompt never counts
+    params = [SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, top_n_tokens=vocab),
+              SamplingParams(presence_penalty=-1.0, top_n_tokens=vocab),
+              SamplingParams(top_n_tokens=vocab)]  # no penalty: untouched
+    s, ids = make(params)
+    out = s.sample(logits.clone(), ids, params, [p + o for p, o in zip(prompts, outputs)], outputs)
+    for i, p in enumerate(params):
+        expected = logits[i].clone()
+        for tok in set(outputs[i]):
+            n = outputs[i].count(tok)
+            expected[tok] -= p.frequency_penalty * n + p.presence_penalty
+        ref = torch.log_softmax(expected, -1)
+        full = torch.full((vocab,), float("nan"))
+        for tok, lp in out.top_tokens[i]:
+            full[tok] = lp
+        torch.testing.assert_close(full, ref, rtol=0, atol=1e-5)
+        assert out.token_ids[i] == int(expected.argmax())
+
+
+def test_a_frequency_penalty_changes_the_greedy_choice():
+    logits = torch.tensor([[0.0, 3.0, 2.5]])
+    params = [SamplingParams(frequency_penalty=0.3)]
+    s, ids = make(params)
+    assert s.sample(logits.clone(), ids, params, [[1, 1]], [[1, 1]]).token_ids == [2]  # 3.0 - 0.6 < 2.5
+    assert s.sample(logits.clone(), ids, params, [[1]], [[1]]).token_ids == [1]  # 3.0 - 0.3 > 2.5

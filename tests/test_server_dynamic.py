@@ -124,6 +124,7 @@ def test_request_id_is_echoed(server):
     assert resp.headers["X-Request-Id"] == "rid-123"
     # gunicorn writes the access line after the response has gone out: wait for it
     wait_for(lambda: "rid=rid-123" in server.log(), 10, "the access log line with the client's id")
+    assert "client-id='rid-123'" in server.log()  # logged beside our own id (docs/api.md)
     assert len(requests.get(server.url + "/ping").headers["X-Request-Id"]) == 32
 
 
@@ -182,3 +183,21 @@ def test_predictions_route_and_text_plain(server, hf):
                          headers={"Content-Type": "text/plain"}, timeout=30)
     assert resp.status_code == 200
     assert resp.json() == [{"generated_text": hf.decode(hf(PROMPTS[0], 30))}]
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/completions", {"model": "tiny-llama", "prompt": "hi"})])
+def test_openai_generation_routes_are_a_clear_400_with_dynamic_batching(server, path, body):
+    resp = server.post(body, path=path)
+    assert resp.status_code == 400
+    assert resp.json() == {"error": {
+        "message": "the OpenAI routes need a rolling-batch engine; this server runs dynamic batching "
+                   "(batch_size>1 or option.rolling_batch=disable): use /invocations",
+        "type": "invalid_request_error", "param": None, "code": None}}
+    assert requests.get(server.url + "/v1/models", timeout=5).json()["data"][0]["id"] == "tiny-llama"
+
+
+def test_presence_penalty_is_a_400_with_dynamic_batching(server):
+    resp = server.post({"inputs": "hi", "parameters": {"presence_penalty": 0.5}})
+    assert resp.status_code == 400 and "need a rolling-batch engine" in resp.json()["error"]

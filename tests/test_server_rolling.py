@@ -11,7 +11,7 @@ import pytest
 import requests
 
 from container.model_maker import corpus_lines, make_model
-from tests.support import hf_oracle, ids_of, ping, running_server, wait_idle, wait_running
+from tests.support import hf_oracle, ids_of, ping, running_server, wait_for, wait_idle, wait_running
 
 PROPERTIES = """
 engine=Python
@@ -180,3 +180,34 @@ def test_hf_fallback_path_with_gpt2_equals_hf_generate(tmp_path, start_server):
     for i, body in enumerate(bodies):
         assert ids_of(body) == oracle(PROMPTS[i], MAX_NEW[i]), i
     assert wait_idle(srv)["kv_slots"] == 0
+
+
+@pytest.mark.parametrize("name,value", [("n", 2), ("best_of", 3), ("typical_p", 0.5), ("min_p", 0.1),
+                                        ("truncate", 10), ("decoder_input_details", True), ("logprobs", 1)])
+def test_defined_but_unimplemented_parameters_are_a_400_naming_them(server, name, value):
+    resp = server.post({"inputs": "hi", "parameters": {name: value}})
+    assert resp.status_code == 400
+    assert resp.json()["error"].startswith(f"\"parameters.{name}\" is not supported by lmi-serve")
+
+
+def test_harmless_values_of_unimplemented_parameters_and_unknown_names_are_accepted(server):
+    resp = server.post({"inputs": "hi", "parameters": {"n": 1, "decoder_input_details": False, "max_new_tokens": 2,
+                                                       "my_own_knob": 3}})
+    assert resp.status_code == 200
+    rid = resp.headers["X-Request-Id"]
+    wait_for(lambda: f"[{rid}] ignoring unknown parameters: my_own_knob" in server.log(), 5, "the warning")
+
+
+@pytest.mark.parametrize("formatter,mime,prefix", [("jsonlines", "application/jsonlines", ""),
+                                                   ("sse", "text/event-stream", "data: ")])
+def test_output_formatter_streams_invocations_as_djl_does(start_server, tiny_model, hf, formatter, mime, prefix):
+    srv = start_server(f"engine=Python\noption.rolling_batch=scheduler\noption.dtype=fp32\n"
+                       f"option.output_formatter={formatter}\n", tiny_model)
+    resp = srv.post({"inputs": "The river ran", "parameters": {"max_new_tokens": 4}})
+    assert resp.status_code == 200 and resp.headers["Content-Type"].startswith(mime)
+    lines = [line for line in resp.text.split("\n") if line]
+    assert all(line.startswith(prefix) for line in lines) and len(lines) == 4
+    last = json.loads(lines[-1][len(prefix):])
+    assert last["generated_text"] == hf.decode(hf("The river ran", 4))
+    listed = srv.post({"inputs": ["The river ran"], "parameters": {"max_new_tokens": 4}})
+    assert listed.headers["Content-Type"] == "application/json" and len(listed.json()) == 1

@@ -1,4 +1,5 @@
-"""Vectorised per-row sampling: greedy, temperature, top-k, top-p, repetition penalty, seeds.
+"""Vectorised per-row sampling: greedy, temperature, top-k, top-p, repetition, presence and frequency
+penalties, seeds.
 
 Every row has its own torch.Generator, seeded from the request's seed (or at random), and draws
 from it exactly once per token, so a seeded request gives the same tokens alone and in any batch.
@@ -41,13 +42,17 @@ class Sampler:
         """One token for each request (engines.core Request objects, rows of `logits` in order)."""
         seen = [r.prompt_token_ids + r.output_token_ids if r.sampling.repetition_penalty != 1.0 else []
                 for r in requests]
-        return self.sample(logits, [r.request_id for r in requests], [r.sampling for r in requests], seen)
+        outputs = [r.output_token_ids if r.sampling.has_output_penalties else [] for r in requests]
+        return self.sample(logits, [r.request_id for r in requests], [r.sampling for r in requests], seen, outputs)
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams],
-               seen_tokens: list[list[int]]) -> SampleResult:
-        """logits: [B, V] float32 → one token per row."""
+               seen_tokens: list[list[int]], output_tokens: list[list[int]] | None = None) -> SampleResult:
+        """logits: [B, V] float32 → one token per row. `seen_tokens` (prompt + output) feed the
+        repetition penalty, `output_tokens` the presence and frequency penalties."""
         logits = _apply_repetition_penalty(logits, params, seen_tokens)
+        if output_tokens is not None:
+            logits = _apply_output_penalties(logits, params, output_tokens)
         sampled_rows = [i for i, p in enumerate(params) if p.do_sample]
         if sampled_rows:
             logits = logits.clone()
@@ -81,6 +86,27 @@ def _apply_repetition_penalty(logits: torch.Tensor, params: list[SamplingParams]
         vals = logits[i, idx]
         penalty = params[i].repetition_penalty
         logits[i, idx] = torch.where(vals > 0, vals / penalty, vals * penalty)
+    return logits
+
+
+def _apply_output_penalties(logits: torch.Tensor, params: list[SamplingParams],
+                            output_tokens: list[list[int]]) -> torch.Tensor:
+    """OpenAI's presence and frequency penalties over the generated tokens, as vLLM applies them:
+    logit -= frequency_penalty * count + presence_penalty * (count > 0), for all rows at once."""
+    rows = [i for i, p in enumerate(params) if p.has_output_penalties and output_tokens[i]]
+    if not rows:
+        return logits
+    width = max(len(output_tokens[i]) for i in rows)
+    ids = torch.tensor([output_tokens[i] + [0] * (width - len(output_tokens[i])) for i in rows],
+                       dtype=torch.long, device=logits.device)  # [R, L], padded with token 0 ...
+    ones = torch.tensor([[1.0] * len(output_tokens[i]) + [0.0] * (width - len(output_tokens[i])) for i in rows],
+                        dtype=logits.dtype, device=logits.device)  # ... that counts 0 times
+    counts = torch.zeros(len(rows), logits.shape[1], dtype=logits.dtype, device=logits.device)
+    counts.scatter_add_(1, ids, ones)  # [R, V]: occurrences of each token in the output
+    freq = torch.tensor([params[i].frequency_penalty for i in rows], dtype=logits.dtype, device=logits.device)
+    pres = torch.tensor([params[i].presence_penalty for i in rows], dtype=logits.dtype, device=logits.device)
+    logits = logits.clone()
+    logits[rows] -= freq.view(-1, 1) * counts + pres.view(-1, 1) * (counts > 0).to(logits.dtype)
     return logits
 
 

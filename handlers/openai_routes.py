@@ -1,0 +1,117 @@
+"""The OpenAI-compatible routes: `GET /v1/models`, `POST /v1/chat/completions`, `POST /v1/completions`,
+and DJL's chat mode (`"messages"` on `/invocations`).
+
+They run on the rolling engines (as DJL's chat needs rolling batch): a dynamic-batching server
+answers both POST routes with a 400. Errors on `/v1/...` are OpenAI-shaped (see handlers/errors.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from flask import Flask, Response, g, request
+
+from handlers.errors import HttpError, bad_request
+from handlers.formatters import JSONLINES, SSE, collect
+from handlers.generation import ClientGone, client_gone
+from handlers.openai_formatters import CHAT, COMPLETION, response, stream
+from handlers.openai_schemas import OpenAIRequest, parse_chat, parse_completion
+from handlers.schemas import parse_body
+
+log = logging.getLogger("handlers.openai")
+
+
+def register(app: Flask, service, read_body: Callable[[], bytes], to_json: Callable[[object, int], Response]):
+    model_name = service.config.server.served_model_name
+
+    @app.get("/v1/models")
+    def models():
+        created = int(service.started_at)
+        return to_json({"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                                    "owned_by": "lmi-serve", "root": model_name}]}, 200)
+
+    @app.post("/v1/chat/completions")
+    def chat_completions():
+        body = _body(read_body())
+        req = parse_chat(body, default_max_tokens=service.config.server.default_max_new_tokens,
+                         limits=service.limits)
+        return _run(CHAT, req, _render(req), sse=True)
+
+    @app.post("/v1/completions")
+    def completions():
+        body = _body(read_body())
+        req = parse_completion(body, limits=service.limits, vocab_size=service.tokenizer.vocab_size)
+        prompts = [(list(ids), service.tokenizer.decode(list(ids))) for ids in req.prompt_ids] or \
+                  [(service.tokenizer.encode(text), text) for text in req.gen.inputs]
+        return _run(COMPLETION, req, prompts, sse=True)
+
+    def _body(raw: bytes) -> dict:
+        body = parse_body(raw, "application/json")
+        if service.is_dynamic:
+            raise bad_request("the OpenAI routes need a rolling-batch engine; this server runs dynamic batching "
+                              "(batch_size>1 or option.rolling_batch=disable): use /invocations")
+        return body
+
+    def _render(req: OpenAIRequest) -> list[tuple[list[int], str]]:
+        """The conversation through the chat template, tokenized without added special tokens (the
+        template writes them), as transformers' apply_chat_template and vLLM do."""
+        if service.chat_template is None:
+            raise bad_request("this model has no chat template (no chat_template in tokenizer_config.json, no "
+                              "chat_template.jinja): set option.chat_template, or use /v1/completions", "messages")
+        text = service.chat_template.render(list(req.messages))
+        return [(service.tokenizer.encode(text, add_special_tokens=False), text)]
+
+    def _run(kind: str, req: OpenAIRequest, prompts: list[tuple[list[int], str]], sse: bool) -> Response:
+        if req.model is not None and req.model != model_name and request.path.startswith("/v1/"):
+            raise HttpError(404, f"The model `{req.model}` does not exist; this server serves `{model_name}`",
+                            param="model", openai_code="model_not_found")
+        if req.user:
+            log.info("[%s] user=%r", g.log_id, req.user)
+        service.require_ready()
+        gens = service.launch(req.gen, prompts, g.request_id, copies=req.n)
+        sock = request.environ.get("gunicorn.socket")
+        is_gone = lambda: client_gone(sock)  # noqa: E731
+        deadline = service.deadline()
+        decode = service.tokenizer.decode
+        if req.gen.stream:
+            lines = stream(kind, req, gens, model_name, decode, deadline, is_gone, sse=sse)
+            return _stream(lines, SSE if sse else JSONLINES)
+        try:
+            tokens = [collect(gen, deadline, is_gone) for gen in gens]
+        except ClientGone:
+            log.info("[%s] client disconnected: request aborted", g.log_id)
+            return Response(status=499)
+        finally:
+            for gen in gens:
+                gen.close()
+        log.info("[%s] %s: %d choice(s), %s tokens", g.log_id, kind, len(gens),
+                 [gen.num_generated_tokens for gen in gens])
+        return to_json(response(kind, req, gens, tokens, model_name, decode), 200)
+
+    def _stream(lines, mimetype: str) -> Response:
+        try:
+            first = next(lines)
+        except ClientGone:
+            log.info("[%s] client disconnected before the first token: request aborted", g.log_id)
+            return Response(status=499)
+        return Response(_chain(first, lines), mimetype=mimetype)
+
+    return _run, _render
+
+
+def _chain(first: bytes, rest):
+    yield first
+    yield from rest
+
+
+def djl_chat(run, render, service, body: dict) -> Response:
+    """DJL's chat mode on /invocations: the OpenAI chat shapes (`json_chat`), streamed as jsonlines
+    chunks (`jsonlines_chat`) rather than SSE; `model` is ignored as DJL ignores it."""
+    if service.is_dynamic:
+        raise bad_request("chat requests (\"messages\") need a rolling-batch engine: chat completions are not "
+                          "available with dynamic batching (batch_size>1 or option.rolling_batch=disable)")
+    body = {k: v for k, v in body.items() if k != "model"}
+    req = parse_chat(body, default_max_tokens=service.config.server.default_max_new_tokens, limits=service.limits)
+    return run(CHAT, req, render(req), sse=False)
+

@@ -1,0 +1,59 @@
+"""TGI's routes on a rolling engine, checked as raw HTTP against TGI's exact shapes (the
+`text-generation` client pins huggingface-hub<1.0, which this project's transformers cannot use)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import requests
+
+from tests.support import ids_of, running_server
+
+PROPERTIES = "engine=Python\noption.rolling_batch=scheduler\noption.dtype=fp32\n"
+PROMPT = "The river ran"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    yield from running_server(tmp_path_factory.mktemp("tgi"), PROPERTIES, tiny_model)
+
+
+def test_generate_with_details_matches_invocations(server, hf):
+    body = server.post({"inputs": PROMPT, "parameters": {"max_new_tokens": 5, "details": True}},
+                       path="/generate").json()
+    lmi = server.post({"inputs": PROMPT, "parameters": {"max_new_tokens": 5, "details": True}}).json()
+    assert body["generated_text"] == lmi["generated_text"] == hf.decode(hf(PROMPT, 5))
+    assert body["details"] == {
+        "finish_reason": "length", "generated_tokens": 5, "seed": None, "prefill": [],
+        "tokens": [{"id": t["id"], "text": t["text"], "logprob": t["log_prob"], "special": False}
+                   for t in lmi["details"]["tokens"]]}
+    assert [t["id"] for t in body["details"]["tokens"]] == ids_of(lmi)
+
+
+def test_generate_without_details_is_just_the_text(server, hf):
+    body = server.post({"inputs": PROMPT, "parameters": {"max_new_tokens": 3}}, path="/generate").json()
+    assert body == {"generated_text": hf.decode(hf(PROMPT, 3))}
+
+
+def test_generate_stream_sends_tgi_events(server, hf):
+    resp = requests.post(server.url + "/generate_stream", stream=True, timeout=60,
+                         json={"inputs": PROMPT, "parameters": {"max_new_tokens": 4, "details": True}})
+    assert resp.status_code == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
+    events = [json.loads(line[len(b"data: "):]) for line in resp.iter_lines() if line]
+    expected = hf(PROMPT, 4)
+    assert [e["token"]["id"] for e in events] == expected and [e["index"] for e in events] == [1, 2, 3, 4]
+    assert all(set(e["token"]) == {"id", "text", "logprob", "special"} for e in events)
+    assert [e["generated_text"] for e in events[:-1]] == [None] * 3 and events[-1]["generated_text"] == hf.decode(expected)
+    assert events[-1]["details"] == {"finish_reason": "length", "generated_tokens": 4, "seed": None}
+
+
+def test_info(server):
+    info = requests.get(server.url + "/info", timeout=5).json()
+    assert info["model_id"] == "tiny-llama" and info["max_total_tokens"] == 1024 and info["max_best_of"] == 1
+
+
+@pytest.mark.parametrize("name,value", [("best_of", 2), ("watermark", True), ("decoder_input_details", True)])
+def test_tgi_parameters_we_lack_are_a_400(server, name, value):
+    resp = server.post({"inputs": PROMPT, "parameters": {name: value}}, path="/generate")
+    assert resp.status_code == 400 and resp.json()["error"].startswith(f"\"parameters.{name}\" is not supported")
