@@ -138,7 +138,8 @@ def test_a_disconnected_stream_is_aborted_within_a_step(server):
     resp = requests.post(server.url + "/invocations", json={"inputs": "The", "stream": True, "parameters": {
         "max_new_tokens": 1000, "ignore_eos": True}}, stream=True, timeout=30)
     next(resp.iter_lines())
-    wait_running(server, 1)
+    # no "running" precondition: on a quiet machine the tiny model can finish all 1000 tokens before
+    # /ping's snapshot (up to a second old) shows the request (docs/reliability.md, known gaps)
     resp.close()
     wait_idle(server, timeout=3)
 
