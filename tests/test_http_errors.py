@@ -47,14 +47,20 @@ class FakeEngine:
         return HealthReply(self.state)
 
 
-@pytest.fixture(scope="module")
-def app_and_engine(tiny_model):
+def start_fake_engine(model_dir):
+    """A FakeEngine behind a real endpoint in a fresh run dir: (engine, endpoint, run_dir, tokenizer)."""
     run_dir = tempfile.mkdtemp(prefix="lmi-test-")
-    tokenizer = TextTokenizer(str(tiny_model))
+    tokenizer = TextTokenizer(str(model_dir))
     engine = FakeEngine(tokenizer)
     endpoint = EngineEndpoint(engine_socket_path(run_dir), engine.on_message, engine.health)
     engine.publish = endpoint.publish
     endpoint.start()
+    return engine, endpoint, run_dir, tokenizer
+
+
+@pytest.fixture(scope="module")
+def app_and_engine(tiny_model):
+    engine, endpoint, run_dir, tokenizer = start_fake_engine(tiny_model)
     config = LmiConfig(model=ModelConfig(local_dir=str(tiny_model)),
                        scheduler=SchedulerConfig(engine_kind=ENGINE_DYNAMIC, predict_timeout_s=1.0))
     engine.client = EngineClient(engine_socket_path(run_dir))

@@ -3,27 +3,19 @@
 from __future__ import annotations
 
 import os
-import tempfile
 
 import pytest
 
 from engines.config import ENGINE_PAGED, LmiConfig, ModelConfig, SchedulerConfig, ServerConfig
-from engines.endpoint import EngineEndpoint
 from engines.protocol import engine_socket_path
 from handlers.app import Service, build_app
 from handlers.chat_template import ChatTemplate
 from handlers.engine_client import EngineClient
-from handlers.tokenizer import TextTokenizer
-from tests.test_http_errors import FakeEngine
+from tests.test_http_errors import start_fake_engine
 
 
 def make_app(model_dir, template):
-    run_dir = tempfile.mkdtemp(prefix="lmi-test-")
-    tokenizer = TextTokenizer(str(model_dir))
-    engine = FakeEngine(tokenizer)
-    endpoint = EngineEndpoint(engine_socket_path(run_dir), engine.on_message, engine.health)
-    engine.publish = endpoint.publish
-    endpoint.start()
+    _, endpoint, run_dir, tokenizer = start_fake_engine(model_dir)
     config = LmiConfig(model=ModelConfig(local_dir=str(model_dir)),
                        scheduler=SchedulerConfig(engine_kind=ENGINE_PAGED, predict_timeout_s=1.0),
                        server=ServerConfig(served_model_name="tiny"))
