@@ -239,7 +239,8 @@ def build(cfg: ResolvedConfig, *, local_dir: str, architecture: str | None,
         max_num_batched_tokens=cfg["option.max_rolling_batch_prefill_tokens"],
         kv_block_size=cfg["option.kv_block_size"], enable_prefix_caching=cfg["option.enable_prefix_caching"],
         gpu_memory_utilization=cfg["option.gpu_memory_utilization"], kv_cache_memory=cfg["option.kv_cache_memory"],
-        predict_timeout_s=float(cfg["option.predict_timeout"]), enforce_eager=cfg["option.enforce_eager"])
+        predict_timeout_s=float(cfg["option.predict_timeout"]), enforce_eager=cfg["option.enforce_eager"],
+        attention_backend=cfg["option.attention_backend"])
     server = ServerConfig(port=port, max_request_size=cfg["max_request_size"], http_workers=cfg["http_workers"],
                           http_threads=cfg["http_threads"], output_formatter=cfg["option.output_formatter"],
                           default_max_new_tokens=cfg["option.max_new_tokens"],

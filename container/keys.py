@@ -137,6 +137,8 @@ KEYS: tuple[Key, ...] = (
     Key("option.kv_block_size", integer(1), 16, "tokens per paged KV block"),
     Key("option.enable_prefix_caching", boolean, False, "reuse KV blocks of shared prompt prefixes"),
     Key("option.enforce_eager", boolean, False, "no CUDA graphs / torch.compile"),
+    Key("option.attention_backend", choice("auto", "torch", "flash_attn"), "auto",
+        "paged attention kernels: flash_attn (CUDA with flash-attn installed), torch, or auto (the first that runs)"),
     Key("option.max_new_tokens", integer(1), 30, "default max_new_tokens of a request"),
     Key("option.load_cache_dir", text, None,
         "directory for a load-optimised copy of each rank's weights: written on the first start, read on later "

@@ -56,11 +56,17 @@ def gunicorn_command(config: LmiConfig, run_dir: str, host: str) -> list[str]:
             f"handlers.app:create_app({run_dir!r})"]
 
 
+MALLOC_ARENA_MAX = "2"
+
+
 class Launcher:
     def __init__(self, config: LmiConfig, *, host: str = "0.0.0.0", env: dict[str, str] | None = None):
         self.config = config
         self.host = host
         self.env = dict(env if env is not None else os.environ, PYTHONUNBUFFERED="1")
+        # glibc gives each busy thread its own malloc arena (up to 8 per core), each keeping its own
+        # high-water mark: two bound the RSS of our threaded processes (unless the user set it)
+        self.env.setdefault("MALLOC_ARENA_MAX", MALLOC_ARENA_MAX)
         self.run_dir = tempfile.mkdtemp(prefix="lmi-run-")
         self._stopping = False
         self.ready = False

@@ -48,6 +48,7 @@ class SchedulerConfig(msgspec.Struct, frozen=True):
     kv_cache_memory: str | None = None  # CPU: bytes ("2GiB", "1073741824") or a fraction ("0.3")
     predict_timeout_s: float = 240.0
     enforce_eager: bool = False
+    attention_backend: str = "auto"  # auto | torch | flash_attn (engines/attention)
 
 
 class ParallelConfig(msgspec.Struct, frozen=True):

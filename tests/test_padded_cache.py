@@ -148,7 +148,7 @@ def test_begin_forward_grows_the_capacity_and_keeps_contents():
     q = torch.randn(2, 3, HEADS, DIM)
     k = torch.randn(2, 3, HEADS, DIM)
     v = torch.randn(2, 3, HEADS, DIM)
-    cache.attend(0, q, k, v)
+    cache.forward(0, q, k, v)
     cache.end_forward()
     assert cache.width == 8
     assert torch.equal(cache.keys[0][:, :, :5], old_keys[0])
@@ -223,7 +223,7 @@ def test_attention_after_concatenate_ignores_whatever_fresh_memory_holds(monkeyp
     k = torch.randn(4, 1, HEADS, DIM, generator=g)
     v = torch.randn(4, 1, HEADS, DIM, generator=g)
     merged.begin_forward(1)
-    out = merged.attend(0, q, k, v)
+    out = merged.forward(0, q, k, v)
     merged.end_forward()
     nan_rows = [row for row in range(4) if not torch.isfinite(out[row]).all()]
     assert nan_rows == [], f"garbage in the left-pad columns leaked into the attention of rows {nan_rows}"
@@ -242,7 +242,7 @@ def test_attend_matches_plain_attention_per_row_and_writes_the_new_columns():
     k = torch.randn(2, 2, HEADS, DIM, generator=g)
     v = torch.randn(2, 2, HEADS, DIM, generator=g)
     cache.begin_forward(2)
-    out = cache.attend(1, q, k, v)
+    out = cache.forward(1, q, k, v)
     cache.end_forward()
     assert out.shape == (2, 2, HEADS * 2, DIM)
     for row in range(2):

@@ -35,7 +35,7 @@ def test_tiny_model_without_properties_is_up_in_seconds_with_a_small_kv_cache(tm
 
 
 PHASES = ["imports", "model_resolve", "configuration", "engine_imports", "weight_load", "warm_up", "kv_allocation",
-          "ready"]
+          "warm_up_buckets", "ready"]
 
 
 def test_serve_logs_where_it_listens_the_plan_and_a_startup_timeline(tmp_path, tiny_model, start_server):

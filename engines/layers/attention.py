@@ -1,7 +1,8 @@
 """Self-attention on TP-aware projections; where K/V live is the backend's business.
 
-The backend (padded or paged KV cache) is chosen once per engine and handed to every forward:
-`backend.attend(layer_idx, q, k, v)` stores this step's K/V and returns the attention output.
+The backend (the padded KV cache, or a paged backend of engines/attention) is chosen once per
+engine and handed to every forward with the step's metadata: `backend.forward(layer_idx, q, k, v,
+meta)` stores this step's K/V and returns the attention output.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from engines.memory_plan import local_kv_heads
 
 
 class AttentionBackend(Protocol):
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta) -> torch.Tensor:
         """q: [B, T, heads, D], k/v: [B, T, kv_heads, D] (this step's) → [B, T, heads, D]."""
 
 
@@ -47,7 +48,7 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, comm, bias=o_bias)
         self.comm = comm
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend, meta) -> torch.Tensor:
         b, t, _ = x.shape
         qkv = self.qkv_proj(x)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -56,7 +57,7 @@ class Attention(nn.Module):
         k = k.view(b, t, self.num_kv_heads, self.head_dim)
         v = v.view(b, t, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
-        out = backend.attend(self.layer_idx, q, k, v)  # [B, T, heads, D]
+        out = backend.forward(self.layer_idx, q, k, v, meta)  # [B, T, heads, D]
         return self.o_proj(out.reshape(b, t, q_size))
 
 

@@ -40,8 +40,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, positions, backend):
-        x = x + self.self_attn(self.input_layernorm(x), positions, backend)
+    def forward(self, x, positions, backend, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, backend, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -59,17 +59,18 @@ class LlamaForCausalLM(nn.Module):
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, comm)
+        self.num_heads = self.layers[0].self_attn.num_heads  # this rank's
         self.num_kv_heads = self.layers[0].self_attn.num_kv_heads
         self.head_dim = head_dim
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend, meta=None,
                 logits_index: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids/positions: [B, T] → logits of each row's last position [B, V], or of the flattened
         token indices `logits_index` [n] → [n, V] (the paged engine's one-row batches)."""
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
-            x = layer(x, positions, backend)
+            x = layer(x, positions, backend, meta)
         last = x[:, -1] if logits_index is None else x.reshape(-1, x.shape[-1])[logits_index]
         return self.lm_head(self.norm(last)).float()
 

@@ -70,8 +70,9 @@ class PaddedKVCache:
         self._mask = mask.unsqueeze(1)
         self._step = num_tokens
 
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [B, T, Hq, D], k/v: [B, T, Hkv, D] → [B, T, Hq, D]."""
+    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta=None) -> torch.Tensor:
+        """q: [B, T, Hq, D], k/v: [B, T, Hkv, D] → [B, T, Hq, D] (the padded cache is its own
+        metadata: `meta` is unused)."""
         w, t = self.width, self._step
         self.keys[layer_idx][:, :, w:w + t] = k.transpose(1, 2)
         self.values[layer_idx][:, :, w:w + t] = v.transpose(1, 2)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 
+from engines.attention.base import select_backend
 from engines.config import LmiConfig, model_max_len
 from engines.core.block_manager import BlockManager
 from engines.core.request import Request
@@ -36,25 +37,40 @@ class PagedEngine(EngineLoop):
     def load(self) -> None:
         self.runner.load()
         sched = self.config.scheduler
-        block_bytes = sched.kv_block_size * self.runner.kv_bytes_per_token
+        block_size = self._block_size()
+        block_bytes = block_size * self.runner.kv_bytes_per_token
         self.paged = Mirrored(PagedRunner(self.runner), self.comm)
         with TIMELINE.phase("warm_up"):
             peak = self.paged.call("warm_up", min(sched.max_num_batched_tokens, self.max_model_len))
-        budget = kv_budget_bytes(sched, self.runner, self.comm.world_size, peak, sched.kv_block_size)
+        budget = kv_budget_bytes(sched, self.runner, self.comm.world_size, peak, block_size)
         num_blocks = max(budget // block_bytes, 1)
         with TIMELINE.phase("kv_allocation"):
-            self.paged.call("allocate", num_blocks, sched.kv_block_size)
-        self.blocks = BlockManager(num_blocks, sched.kv_block_size, sched.enable_prefix_caching)
+            self.paged.call("allocate", num_blocks, block_size, sched.max_num_seqs, sched.max_num_batched_tokens,
+                            sched.attention_backend)
+        with TIMELINE.phase("warm_up_buckets"):
+            self.paged.call("warm_up_buckets")
+        self.blocks = BlockManager(num_blocks, block_size, sched.enable_prefix_caching)
         self.scheduler = Scheduler(sched.max_num_seqs, sched.max_num_batched_tokens, self.blocks, self.max_model_len)
-        log.info("paged KV cache: %d blocks of %d tokens = %d tokens, %d bytes; prefix caching %s; "
-                 "max_num_seqs %d, max_num_batched_tokens %d", num_blocks, sched.kv_block_size,
-                 num_blocks * sched.kv_block_size, self.paged.cache.num_bytes,
+        log.info("paged KV cache: %d blocks of %d tokens = %d tokens, %d bytes; attention backend %s; "
+                 "prefix caching %s; max_num_seqs %d, max_num_batched_tokens %d", num_blocks, block_size,
+                 num_blocks * block_size, num_blocks * block_bytes, self.paged.backend.name,
                  "on" if sched.enable_prefix_caching else "off", sched.max_num_seqs, sched.max_num_batched_tokens)
+
+    def _block_size(self) -> int:
+        """option.kv_block_size, unless the attention backend needs another (flash-attn: 256)."""
+        size = self.config.scheduler.kv_block_size
+        backend = select_backend(self.config.scheduler.attention_backend, self.runner.device)
+        need = getattr(backend, "preferred_block_size", None)
+        if need and size % need:
+            log.info("attention backend %s needs KV blocks of a multiple of %d tokens: using %d, not "
+                     "option.kv_block_size=%d", backend.name, need, need, size)
+            return need
+        return size
 
     def measure(self) -> HealthReply:
         used = self.blocks.num_blocks - self.blocks.num_free_blocks
         return HealthReply(STATE_READY, num_waiting=self.num_waiting, num_running=self.scheduler.num_running,
-                           num_batches=self.num_steps, num_kv_slots=used * self.config.scheduler.kv_block_size,
+                           num_batches=self.num_steps, num_kv_slots=used * self.blocks.block_size,
                            metrics=self.metrics())
 
     def metrics(self) -> dict[str, float]:

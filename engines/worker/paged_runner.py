@@ -3,6 +3,12 @@
 The runner keeps its own copy of what it needs per request (token ids, block table, computed
 count), updated from the plan's diffs, so that the same plan can drive ranks that have no
 scheduler (tensor parallelism).
+
+Static shapes: a step's token count is padded up to one of a few buckets (TOKEN_BUCKETS), and
+every bucket runs once before the engine is ready. A padding token is a one-token sequence on a
+scratch block that no request owns. Each new matrix shape costs the CPU's oneDNN kernels a new
+primitive (~0.4 MiB each, cached up to 1024): with free token counts the engine's memory crept up
+by tens of MiB under load as new counts appeared; with buckets the shapes are all made at start.
 """
 
 from __future__ import annotations
@@ -11,9 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engines.attention.base import AttentionBackend, SeqSlice, bucket, select_backend, token_buckets
 from engines.core.scheduler import SchedulerOutput
 from engines.worker.model_runner import ModelRunner
-from engines.worker.paged_cache import PagedKVCache, SeqSlice, StepMetadata
 
 
 @dataclass
@@ -32,14 +38,27 @@ class PagedRunner:
             raise ValueError("the paged engine needs a natively implemented architecture (Llama, Mistral, Qwen2); "
                              "use option.rolling_batch=scheduler for others")
         self.runner = runner
-        self.cache: PagedKVCache | None = None
+        self.backend: AttentionBackend | None = None
         self.states: dict[str, _SeqState] = {}
 
-    def allocate(self, num_blocks: int, block_size: int) -> None:
-        """The KV cache (rank 0 sizes it and tells the others)."""
+    def allocate(self, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 attention_backend: str = "auto") -> None:
+        """The attention backend and its KV cache (rank 0 sizes it and tells the others)."""
         r = self.runner
-        self.block_size = block_size
-        self.cache = PagedKVCache(r.num_layers, num_blocks, block_size, r.num_kv_heads, r.head_dim, r.dtype, r.device)
+        cls = select_backend(attention_backend, r.device)
+        self.backend = cls(r.num_layers, r.num_kv_heads, r.head_dim, block_size, r.dtype, r.device)
+        self.backend.allocate(num_blocks, max_num_seqs, -(-r.max_model_len // block_size))
+        self.buckets = token_buckets(max_num_batched_tokens)
+
+    @torch.inference_mode()
+    def warm_up_buckets(self) -> None:
+        """Every shape a step can meet, before serving: a forward of padding at every step size
+        (with logits for each number of sampled rows) and the backend's attention shapes."""
+        decode = self.backend.decode_buckets
+        for size in sorted(set(self.buckets) | set(decode)):
+            rows = bucket(decode, size) if size <= decode[-1] else 1
+            self._forward([], [0] * size, [0] * size, list(range(min(rows, size))), size, pad=False)
+        self.backend.warm_up(self.runner.model.num_heads)
 
     def warm_up(self, num_tokens: int) -> int:
         return self.runner.warm_up(num_tokens)
@@ -77,14 +96,25 @@ class PagedRunner:
             st.num_computed_tokens = start + n
         if not ids:
             return [], None
+        decode_only = len(ids) == len(seqs)
+        size = bucket(self.backend.decode_buckets if decode_only else self.buckets, len(ids))
+        return sampling_ids, self._forward(seqs, ids, positions, logits_index, size)
+
+    def _forward(self, seqs: list[SeqSlice], ids: list[int], positions: list[int], logits_index: list[int],
+                 size: int, pad: bool = True) -> torch.Tensor:
+        """The model over `ids` padded to `size` tokens → logits of the `logits_index` tokens (their
+        count padded to a decode bucket too: the LM head's shapes are static as well)."""
+        if pad:
+            ids = ids + [0] * (size - len(ids))
+            positions = positions + [0] * (size - len(positions))
+        n = len(logits_index)
+        rows = bucket(self.backend.decode_buckets, n)
         device = self.runner.device
-        self.cache.meta = StepMetadata(seqs, self.block_size, device)
-        try:
-            logits = self.runner.model(torch.tensor([ids], device=device), torch.tensor([positions], device=device),
-                                       self.cache, torch.tensor(logits_index, dtype=torch.long, device=device))
-        finally:
-            self.cache.meta = None
-        return sampling_ids, logits
+        meta = self.backend.build_metadata(seqs, size)
+        logits = self.runner.model(torch.tensor([ids], device=device), torch.tensor([positions], device=device),
+                                   self.backend, meta,
+                                   torch.tensor(logits_index + [0] * (rows - n), dtype=torch.long, device=device))
+        return logits[:n]
 
     def append_tokens(self, tokens: dict[str, int]) -> None:
         """The tokens rank 0 sampled this step (the next step computes from them)."""
