@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engines.attention.base import flash_attn_available
 from engines.config import ModelConfig
 from engines.core.scheduler import NewRequestData, SchedulerOutput
 from engines.sampling_params import SamplingParams
@@ -37,7 +38,7 @@ def test_paged_step_on_cuda_matches_cpu(tiny_model):
     outs = {}
     for device in ("cpu", "cuda"):
         paged = PagedRunner(_runner(tiny_model, device))
-        paged.allocate(64, 16)
+        paged.allocate(64, 16, 4, 1024)
         plan = SchedulerOutput()
         for i, p in enumerate(PROMPTS):
             plan.new_requests.append(NewRequestData(f"r{i}", p, len(p), [4 * i, 4 * i + 1, 4 * i + 2], 0,
@@ -46,6 +47,34 @@ def test_paged_step_on_cuda_matches_cpu(tiny_model):
         _, logits = paged.execute(plan)
         outs[device] = logits.cpu()
     assert torch.allclose(outs["cpu"], outs["cuda"], atol=1e-3)
+
+
+@pytest.mark.skipif(not flash_attn_available(torch.device("cuda")) if torch.cuda.is_available() else True,
+                    reason="needs flash-attn")
+def test_flash_attn_backend_matches_the_torch_backend_over_mixed_steps():
+    """Prefill chunks, decodes and padding over several steps: the same outputs within bf16 tolerance."""
+    from engines.attention.base import SeqSlice
+    from engines.attention.flash_backend import FlashAttnBackend
+    from engines.attention.torch_backend import TorchPagedBackend
+
+    torch.manual_seed(0)
+    dev, hq, hkv, d, bs = torch.device("cuda"), 8, 2, 64, 256
+    backends = [cls(1, hkv, d, bs, torch.bfloat16, dev) for cls in (TorchPagedBackend, FlashAttnBackend)]
+    for b in backends:
+        b.allocate(16, 4, 8)
+    tables = {"a": [3, 9], "b": [5, 1], "c": [7]}
+    done = {s: 0 for s in tables}
+    for chunk in ({"a": 300, "b": 40}, {"a": 1, "b": 260, "c": 17}, {"a": 1, "b": 1, "c": 1}):
+        seqs, start = [], 0
+        for s, n in chunk.items():
+            seqs.append(SeqSlice(start, n, done[s] + n, tables[s]))
+            done[s] += n
+            start += n
+        q = torch.randn(1, start + 3, hq, d, dtype=torch.bfloat16, device=dev)  # 3 padding tokens
+        k = torch.randn(1, start + 3, hkv, d, dtype=torch.bfloat16, device=dev)
+        v = torch.randn(1, start + 3, hkv, d, dtype=torch.bfloat16, device=dev)
+        outs = [b.forward(0, q, k, v, b.build_metadata(seqs, start + 3))[0, :start].float() for b in backends]
+        torch.testing.assert_close(outs[1], outs[0], atol=2e-2, rtol=2e-2)
 
 
 

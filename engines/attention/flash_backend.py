@@ -49,12 +49,15 @@ class FlashAttnBackend(AttentionBackend):
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
-    def build_metadata(self, seqs: list[SeqSlice]) -> FlashMetadata:
+    def build_metadata(self, seqs: list[SeqSlice], num_tokens: int | None = None) -> FlashMetadata:
+        """Tokens past the sequences' up to `num_tokens` are padding: K/V to the scratch block, output 0."""
         bs, dev = self.block_size, self.device
         slots: list[int] = []
         for s in seqs:
             slots += [s.block_ids[p // bs] * bs + p % bs for p in range(s.context_len - s.num_query_tokens,
                                                                         s.context_len)]
+        if num_tokens is not None:
+            slots += [self.scratch_block * bs] * (num_tokens - len(slots))
         decodes = [s for s in seqs if s.num_query_tokens == 1]
         prefills = [s for s in seqs if s.num_query_tokens > 1]
 
@@ -85,7 +88,7 @@ class FlashAttnBackend(AttentionBackend):
         flat_k.index_copy_(0, meta.slot_mapping, k[0])
         flat_v.index_copy_(0, meta.slot_mapping, v[0])
         q = q[0]  # [N, Hq, D]
-        out = torch.empty_like(q)
+        out = torch.zeros_like(q)  # padding tokens stay zero
         if meta.decode_table.shape[0]:
             qd = q.index_select(0, meta.decode_rows).unsqueeze(1)  # [Bd, 1, Hq, D]
             od = self._with_kvcache(qd, k_cache, v_cache, cache_seqlens=meta.decode_lens,
