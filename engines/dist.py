@@ -4,7 +4,8 @@
 - `SingleProcess`: TP=1, every collective is the identity;
 - `MpiCommunicator`: mpi4py over MPI.COMM_WORLD, for ranks on CPUs (about 10 µs for a 4096-float
   all-reduce here, against about 1 ms with gloo);
-- `NcclCommunicator`: torch.distributed with NCCL, one GPU per rank.
+- `NcclCommunicator`: torch.distributed with NCCL, one GPU per rank, for the collectives; its plans
+  (and barriers) go over MPI on the CPU.
 
 `rank_info` is the one place that maps OpenMPI's environment to world size / rank / local rank.
 Rank 0 sends each step's plan with `send_step`; ranks > 0 wait for it in `receive_step`, polling
@@ -45,6 +46,9 @@ class Communicator(Protocol):
     def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Every rank's tensor concatenated along `dim`, in rank order."""
 
+    def gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
+        """Rank 0: every rank's tensor concatenated along `dim`, in rank order; other ranks: None."""
+
     def barrier(self) -> None:
         """Wait until every rank gets here (all ranks loaded: rank 0 may say ready)."""
 
@@ -63,6 +67,9 @@ class SingleProcess:
         return tensor
 
     def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        return tensor
+
+    def gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
         return tensor
 
     def barrier(self) -> None:
@@ -99,6 +106,12 @@ class MpiCommunicator:
         self.comm.Allgather(buf.numpy(), out.numpy())
         return torch.cat(out.unbind(0), dim=dim).to(tensor.dtype)
 
+    def gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
+        buf = tensor.detach().to(torch.float32).contiguous()
+        out = torch.empty((self.world_size, *buf.shape), dtype=torch.float32) if self.rank == 0 else None
+        self.comm.Gather(buf.numpy(), out.numpy() if out is not None else None, root=0)
+        return torch.cat(out.unbind(0), dim=dim).to(tensor.dtype) if out is not None else None
+
     def barrier(self) -> None:
         req = self.comm.Ibarrier()
         while not req.Test():
@@ -127,11 +140,15 @@ class MpiCommunicator:
 
 
 class NcclCommunicator:
-    """torch.distributed over NCCL (one GPU per rank); plans travel as uint8 tensors."""
+    """torch.distributed over NCCL (one GPU per rank) for the collectives of a step; the plans go
+    over MPI on the CPU (the ranks run under mpirun anyway), where an idle rank polls a
+    non-blocking broadcast instead of sitting in an NCCL collective that times out after minutes
+    without requests."""
 
     def __init__(self, info: RankInfo, master_addr: str = "127.0.0.1", master_port: int = 29511):
         import torch.distributed as dist
 
+        self._plans = MpiCommunicator()
         self._dist = dist
         dist.init_process_group("nccl", init_method=f"tcp://{master_addr}:{master_port}",
                                 world_size=info.world_size, rank=info.rank)
@@ -147,23 +164,19 @@ class NcclCommunicator:
         self._dist.all_gather(parts, tensor.contiguous())
         return torch.cat(parts, dim=dim)
 
+    def gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)] if self.rank == 0 else None
+        self._dist.gather(tensor.contiguous(), parts, dst=0)
+        return torch.cat(parts, dim=dim) if parts is not None else None
+
     def barrier(self) -> None:
-        self._dist.barrier()
+        self._plans.barrier()
 
     def send_step(self, data: bytes) -> None:
-        size = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
-        self._dist.broadcast(size, src=0)
-        if data:
-            self._dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device), src=0)
+        self._plans.send_step(data)
 
     def receive_step(self) -> bytes:
-        size = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self._dist.broadcast(size, src=0)
-        if not int(size.item()):
-            return STOP
-        buf = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
-        self._dist.broadcast(buf, src=0)
-        return bytes(buf.cpu().numpy())
+        return self._plans.receive_step()
 
 
 def make_communicator(info: RankInfo) -> Communicator:

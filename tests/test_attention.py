@@ -134,30 +134,33 @@ def _plan(prompts, tables):
     return plan
 
 
-def test_the_runner_step_matches_the_padded_runner_and_padding_changes_nothing(fp32_runner):
-    expected, _ = fp32_runner.prefill(PROMPTS)
+def test_the_runner_step_samples_what_the_padded_runner_computes_and_padding_changes_nothing(fp32_runner):
+    expected = torch.log_softmax(fp32_runner.prefill(PROMPTS)[0], -1)
     paged = PagedRunner(fp32_runner)
     paged.allocate(64, 16, 4, 1024)
     assert paged.buckets[-1] == 1024 and paged.backend.scratch_block == 64
     tables = [[4 * i, 4 * i + 1, 4 * i + 2] for i in range(len(PROMPTS))]
-    rids, logits = paged.execute(_plan(PROMPTS, tables))  # 49 tokens, padded to 56
-    assert rids == ["r0", "r1", "r2"]
-    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
-    # one decode step each, on a fresh runner without padding vs with it (3 tokens → bucket 4)
-    nxt = logits.argmax(-1).tolist()
+    result = paged.execute(_plan(PROMPTS, tables))  # 49 tokens, padded to 56; the runner samples (greedy)
+    assert result.request_ids == ["r0", "r1", "r2"]
+    assert result.sample.token_ids == expected.argmax(-1).tolist()
+    assert result.sample.log_probs == pytest.approx(expected.max(-1).values.tolist(), abs=1e-4)
+    # one decode step each, on a fresh runner without padding vs with it (3 tokens → bucket 4); the
+    # tokens sampled by the first step reach the runner's lists with the second plan
     outs = []
     for pad in (False, True):
         paged = PagedRunner(fp32_runner)
         paged.allocate(64, 16, 4, 1024)
         if not pad:  # buckets that fit exactly: the steps run at their own sizes
             paged.buckets, paged.backend.decode_buckets = [49], [3]
-        paged.execute(_plan(PROMPTS, tables))
-        paged.append_tokens({f"r{i}": t for i, t in enumerate(nxt)})
-        plan = SchedulerOutput()
+        first = paged.execute(_plan(PROMPTS, tables))
+        plan = SchedulerOutput(sampled_token_ids=dict(zip(first.request_ids, first.sample.token_ids)))
         for i, p in enumerate(PROMPTS):
             plan.add(f"r{i}", 1)
-        outs.append(paged.execute(plan)[1])
-    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+        second = paged.execute(plan)
+        assert [len(paged.states[f"r{i}"].token_ids) for i in range(3)] == [len(p) + 1 for p in PROMPTS]
+        outs.append(second.sample)
+    assert outs[0].token_ids == outs[1].token_ids
+    assert outs[0].log_probs == pytest.approx(outs[1].log_probs, abs=1e-5)
 
 
 def test_warm_up_runs_every_bucket(fp32_runner, monkeypatch):

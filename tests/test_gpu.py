@@ -44,9 +44,10 @@ def test_paged_step_on_cuda_matches_cpu(tiny_model):
             plan.new_requests.append(NewRequestData(f"r{i}", p, len(p), [4 * i, 4 * i + 1, 4 * i + 2], 0,
                                                     SamplingParams()))
             plan.add(f"r{i}", len(p))
-        _, logits = paged.execute(plan)
-        outs[device] = logits.cpu()
-    assert torch.allclose(outs["cpu"], outs["cuda"], atol=1e-3)
+        sample = paged.execute(plan).sample
+        outs[device] = (sample.token_ids, torch.tensor(sample.log_probs))
+    assert outs["cpu"][0] == outs["cuda"][0]
+    assert torch.allclose(outs["cpu"][1], outs["cuda"][1], atol=1e-3)
 
 
 @pytest.mark.skipif(not flash_attn_available(torch.device("cuda")) if torch.cuda.is_available() else True,

@@ -17,11 +17,12 @@ def rand_logits(rows: int, vocab: int, seed: int, scale: float = 3.0) -> torch.T
     return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * scale
 
 
-def make(params: list[SamplingParams], ids: list[str] | None = None) -> tuple[Sampler, list[str]]:
+def make(params: list[SamplingParams], ids: list[str] | None = None, prompts: list[list[int]] | None = None,
+         outputs: list[list[int]] | None = None) -> tuple[Sampler, list[str]]:
     s = Sampler(CPU)
     ids = ids or [f"r{i}" for i in range(len(params))]
-    for rid, p in zip(ids, params):
-        s.add(rid, p)
+    for i, (rid, p) in enumerate(zip(ids, params)):
+        s.add(rid, p, prompts[i] if prompts else [], outputs[i] if outputs else [])
     return s, ids
 
 
@@ -29,7 +30,7 @@ def test_greedy_rows_are_the_argmax_with_their_log_probs():
     logits = rand_logits(5, 50, seed=0)
     params = [GREEDY] * 5
     s, ids = make(params)
-    out = s.sample(logits, ids, params, [[] for _ in params])
+    out = s.sample(logits, ids)
     assert out.token_ids == logits.argmax(-1).tolist()
     expected = torch.log_softmax(logits, -1).gather(1, logits.argmax(-1).view(-1, 1)).view(-1)
     assert out.log_probs == pytest.approx(expected.tolist(), abs=1e-6)
@@ -40,7 +41,7 @@ def test_greedy_ignores_temperature_top_k_top_p_when_do_sample_is_off():
     logits = rand_logits(3, 40, seed=1)
     params = [SamplingParams(temperature=0.3, top_k=2, top_p=0.5, seed=i) for i in range(3)]
     s, ids = make(params)
-    out = s.sample(logits, ids, params, [[] for _ in params])
+    out = s.sample(logits, ids)
     assert out.token_ids == logits.argmax(-1).tolist()
     expected = torch.log_softmax(logits, -1).max(-1).values  # untouched distribution
     assert out.log_probs == pytest.approx(expected.tolist(), abs=1e-6)
@@ -61,7 +62,7 @@ def test_sampled_log_probs_are_those_of_the_warped_distribution_at_the_chosen_id
               GREEDY,
               SamplingParams(do_sample=True, temperature=1.0, top_k=3, seed=12)]
     s, ids = make(params)
-    out = s.sample(logits, ids, params, [[] for _ in params])
+    out = s.sample(logits, ids)
     for i, p in enumerate(params):
         ref = warped_log_softmax(logits[i], p.temperature if p.do_sample else 1.0, p.top_k if p.do_sample else 0)
         tok = out.token_ids[i]
@@ -74,7 +75,7 @@ def test_top_k_1_always_gives_the_argmax():
     logits = rand_logits(64, 100, seed=3, scale=0.5)  # flat-ish: plain sampling would wander
     params = [SamplingParams(do_sample=True, top_k=1, temperature=2.0, seed=i) for i in range(64)]
     s, ids = make(params)
-    out = s.sample(logits, ids, params, [[] for _ in params])
+    out = s.sample(logits, ids)
     assert out.token_ids == logits.argmax(-1).tolist()
     assert out.log_probs == pytest.approx([0.0] * 64, abs=1e-6)
 
@@ -83,7 +84,7 @@ def test_tiny_top_p_gives_the_argmax():
     logits = rand_logits(64, 100, seed=4, scale=0.5)
     params = [SamplingParams(do_sample=True, top_p=1e-6, temperature=2.0, seed=i) for i in range(64)]
     s, ids = make(params)
-    out = s.sample(logits, ids, params, [[] for _ in params])
+    out = s.sample(logits, ids)
     assert out.token_ids == logits.argmax(-1).tolist()
 
 
@@ -93,7 +94,7 @@ def test_top_p_keeps_the_smallest_prefix_reaching_the_mass():
     logits = probs.log().expand(400, 4).contiguous()
     params = [SamplingParams(do_sample=True, top_p=0.7, seed=i) for i in range(400)]
     s, ids = make(params)
-    out = s.sample(logits, ids, params, [[] for _ in params])
+    out = s.sample(logits, ids)
     assert set(out.token_ids) == {0, 1}
     lp = {0: torch.tensor(0.5 / 0.8).log().item(), 1: torch.tensor(0.3 / 0.8).log().item()}
     assert all(v == pytest.approx(lp[t], abs=1e-5) for t, v in zip(out.token_ids, out.log_probs))
@@ -105,7 +106,7 @@ def test_top_k_3_never_samples_outside_the_top_3():
     logits = base.expand(n, 60).contiguous()
     params = [SamplingParams(do_sample=True, top_k=3, seed=1000 + i) for i in range(n)]
     s, ids = make(params)
-    out = s.sample(logits, ids, params, [[] for _ in params])
+    out = s.sample(logits, ids)
     top3 = set(base.topk(3).indices.tolist())
     assert set(out.token_ids) == top3  # inside the top 3, and all three occur over 500 draws
 
@@ -117,8 +118,8 @@ def test_repetition_penalty_matches_hf_processor():
     seen = [[3, 5, 7, 5, 1, 30, 30], [0, 39, 12, 13], [4, 4, 4]]
     penalties = [1.3, 0.8, 1.0]
     params = [SamplingParams(repetition_penalty=p, top_n_tokens=vocab) for p in penalties]
-    s, ids = make(params)
-    out = s.sample(logits.clone(), ids, params, seen)
+    s, ids = make(params, prompts=seen)
+    out = s.sample(logits.clone(), ids)
     for i, p in enumerate(penalties):
         hf = RepetitionPenaltyLogitsProcessor(penalty=p) if p != 1.0 else None
         scores = logits[i:i + 1].clone()
@@ -139,28 +140,25 @@ def test_repetition_penalty_does_not_modify_the_callers_logits():
     logits = rand_logits(1, 20, seed=7)
     before = logits.clone()
     params = [SamplingParams(repetition_penalty=2.0)]
-    s, ids = make(params)
-    s.sample(logits, ids, params, [[1, 2, 3]])
+    s, ids = make(params, prompts=[[1, 2, 3]])
+    s.sample(logits, ids)
     assert torch.equal(logits, before)
 
 
 def test_repetition_penalty_can_change_the_greedy_choice():
     logits = torch.tensor([[2.0, 1.9, -1.0, 0.5]])
-    params = [SamplingParams(repetition_penalty=1.5)]
-    s, ids = make(params)
-    assert s.sample(logits, ids, params, [[0]]).token_ids == [1]
-    assert s.sample(logits, ids, [GREEDY], [[0]]).token_ids == [0]
+    s, ids = make([SamplingParams(repetition_penalty=1.5)], prompts=[[0]])
+    assert s.sample(logits, ids).token_ids == [1]
+    s, ids = make([GREEDY], prompts=[[0]])
+    assert s.sample(logits, ids).token_ids == [0]
 
 
-def run_steps(sampler: Sampler, step_logits: list[torch.Tensor], ids: list[str], params: list[SamplingParams],
-              seen: list[list[int]]) -> list[list[int]]:
-    """Sample several steps; returns per row the tokens it got (and appends them to `seen`)."""
+def run_steps(sampler: Sampler, step_logits: list[torch.Tensor], ids: list[str]) -> list[list[int]]:
+    """Sample several steps; returns per row the tokens it got (the sampler's state counts them)."""
     got = [[] for _ in ids]
     for logits in step_logits:
-        out = sampler.sample(logits, ids, params, seen)
-        for i, t in enumerate(out.token_ids):
+        for i, t in enumerate(sampler.sample(logits, ids).token_ids):
             got[i].append(t)
-            seen[i].append(t)
     return got
 
 
@@ -169,8 +167,8 @@ def test_a_seeded_row_gives_the_same_tokens_alone_and_in_any_batch():
     target = SamplingParams(do_sample=True, temperature=1.2, top_k=20, top_p=0.9, repetition_penalty=1.1, seed=42)
     logits = [rand_logits(1, vocab, seed=100 + t, scale=1.0) for t in range(steps)]
 
-    s, _ = make([target], ["target"])
-    alone = run_steps(s, logits, ["target"], [target], [[1, 2, 3]])[0]
+    s, _ = make([target], ["target"], prompts=[[1, 2, 3]])
+    alone = run_steps(s, logits, ["target"])[0]
 
     batch_params = [SamplingParams(do_sample=True, temperature=0.8, seed=7),  # another seeded row
                     GREEDY,
@@ -178,21 +176,20 @@ def test_a_seeded_row_gives_the_same_tokens_alone_and_in_any_batch():
                     SamplingParams(do_sample=True, top_k=5),  # unseeded
                     SamplingParams(repetition_penalty=1.3, top_n_tokens=3)]  # greedy with extras
     batch_ids = ["other", "greedy", "target", "unseeded", "greedy2"]
-    s, _ = make(batch_params, batch_ids)
+    s, _ = make(batch_params, batch_ids, prompts=[[9], [8], [1, 2, 3], [], [4, 5]])
     batch_logits = []
     for t in range(steps):
         rows = rand_logits(5, vocab, seed=200 + t, scale=1.0)
         rows[2] = logits[t][0]
         batch_logits.append(rows)
-    seen = [[9], [8], [1, 2, 3], [], [4, 5]]
-    in_batch = run_steps(s, batch_logits, batch_ids, batch_params, seen)
+    in_batch = run_steps(s, batch_logits, batch_ids)
     assert in_batch[2] == alone
     assert len(set(alone)) > 1  # it really sampled
 
     # and again in another position, after the other rows leave
-    s, _ = make([GREEDY, target], ["g", "target"])
+    s, _ = make([GREEDY, target], ["g", "target"], prompts=[[], [1, 2, 3]])
     two = [torch.cat([rand_logits(1, vocab, seed=300 + t), logits[t]]) for t in range(steps)]
-    assert run_steps(s, two, ["g", "target"], [GREEDY, target], [[], [1, 2, 3]])[1] == alone
+    assert run_steps(s, two, ["g", "target"])[1] == alone
 
 
 def test_the_same_seed_repeats_and_different_seeds_differ():
@@ -202,7 +199,7 @@ def test_the_same_seed_repeats_and_different_seeds_differ():
     def tokens(seed):
         p = SamplingParams(do_sample=True, seed=seed)
         s, _ = make([p], ["x"])
-        return run_steps(s, logits, ["x"], [p], [[]])[0]
+        return run_steps(s, logits, ["x"])[0]
 
     assert tokens(1) == tokens(1)
     assert tokens(1) != tokens(2)
@@ -213,10 +210,10 @@ def test_removed_request_is_reseeded_when_added_again():
     p = SamplingParams(do_sample=True, seed=5)
     logits = [rand_logits(1, 100, seed=500 + t, scale=0.5) for t in range(6)]
     s, _ = make([p], ["x"])
-    first = run_steps(s, logits, ["x"], [p], [[]])[0]
+    first = run_steps(s, logits, ["x"])[0]
     s.remove("x")
     s.add("x", p)
-    assert run_steps(s, logits, ["x"], [p], [[]])[0] == first
+    assert run_steps(s, logits, ["x"])[0] == first
 
 
 def test_empirical_frequencies_match_the_distribution():
@@ -225,7 +222,7 @@ def test_empirical_frequencies_match_the_distribution():
     logits = (probs.log() + 1.7).expand(n, 4).contiguous()  # a shift does not change the softmax
     params = [SamplingParams(do_sample=True, seed=i) for i in range(n)]
     s, ids = make(params)
-    out = s.sample(logits, ids, params, [[] for _ in range(n)])
+    out = s.sample(logits, ids)
     freq = torch.bincount(torch.tensor(out.token_ids), minlength=4).float() / n
     assert freq.shape == (4,)
     torch.testing.assert_close(freq, probs, rtol=0, atol=0.025)
@@ -239,7 +236,7 @@ def test_empirical_frequencies_with_temperature():
     logits = probs.log().expand(n, 4).contiguous()
     params = [SamplingParams(do_sample=True, temperature=t, seed=10_000 + i) for i in range(n)]
     s, ids = make(params)
-    out = s.sample(logits, ids, params, [[] for _ in range(n)])
+    out = s.sample(logits, ids)
     freq = torch.bincount(torch.tensor(out.token_ids), minlength=4).float() / n
     torch.testing.assert_close(freq, expected, rtol=0, atol=0.025)
 
@@ -248,7 +245,7 @@ def test_top_n_returns_sorted_alternatives_per_row():
     logits = rand_logits(3, 50, seed=8)
     params = [SamplingParams(top_n_tokens=4), SamplingParams(), SamplingParams(top_n_tokens=2)]
     s, ids = make(params)
-    out = s.sample(logits, ids, params, [[] for _ in params])
+    out = s.sample(logits, ids)
     lsm = torch.log_softmax(logits, -1)
     assert out.top_tokens[1] == []
     for i, n in ((0, 4), (2, 2)):
@@ -270,7 +267,7 @@ def test_two_requests_with_the_same_seed_in_one_batch_draw_independently_the_sam
     logits = torch.cat([row, rand_logits(1, 100, seed=10), row])
     params = [p, SamplingParams(do_sample=True, seed=3), p]
     s, ids = make(params, ["a", "b", "c"])
-    first = [s.sample(logits, ids, params, [[], [], []]).token_ids for _ in range(5)]
+    first = [s.sample(logits, ids).token_ids for _ in range(5)]
     assert all(t[0] == t[2] for t in first)
     assert len({t[0] for t in first}) > 1
 
@@ -284,8 +281,8 @@ def test_presence_and_frequency_penalties_match_the_openai_formula():
     params = [SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, top_n_tokens=vocab),
               SamplingParams(presence_penalty=-1.0, top_n_tokens=vocab),
               SamplingParams(top_n_tokens=vocab)]  # no penalty: untouched
-    s, ids = make(params)
-    out = s.sample(logits.clone(), ids, params, [p + o for p, o in zip(prompts, outputs)], outputs)
+    s, ids = make(params, prompts=prompts, outputs=outputs)
+    out = s.sample(logits.clone(), ids)
     for i, p in enumerate(params):
         expected = logits[i].clone()
         for tok in set(outputs[i]):
@@ -302,6 +299,36 @@ def test_presence_and_frequency_penalties_match_the_openai_formula():
 def test_a_frequency_penalty_changes_the_greedy_choice():
     logits = torch.tensor([[0.0, 3.0, 2.5]])
     params = [SamplingParams(frequency_penalty=0.3)]
-    s, ids = make(params)
-    assert s.sample(logits.clone(), ids, params, [[1, 1]], [[1, 1]]).token_ids == [2]  # 3.0 - 0.6 < 2.5
-    assert s.sample(logits.clone(), ids, params, [[1]], [[1]]).token_ids == [1]  # 3.0 - 0.3 > 2.5
+    s, ids = make(params, outputs=[[1, 1]])
+    assert s.sample(logits.clone(), ids).token_ids == [2]  # 3.0 - 0.6 < 2.5
+    s, ids = make(params, outputs=[[1]])
+    assert s.sample(logits.clone(), ids).token_ids == [1]  # 3.0 - 0.3 > 2.5
+
+
+def test_penalty_state_updated_in_place_equals_rebuilding_it_from_the_tokens_each_step():
+    """The sampler counts each sampled token itself: step by step, a request sampled with its kept
+    state gets the tokens of a fresh sampler given the whole prompt + output so far every step."""
+    vocab = 12
+    p = SamplingParams(repetition_penalty=1.8, presence_penalty=0.7, frequency_penalty=0.4, top_n_tokens=vocab)
+    prompt = [3, 3, 5]
+    kept, _ = make([p], ["x"], prompts=[prompt])
+    output: list[int] = []
+    for t in range(10):
+        logits = rand_logits(1, vocab, seed=600 + t, scale=0.4)
+        fresh, _ = make([p], ["x"], prompts=[prompt], outputs=[list(output)])
+        a, b = kept.sample(logits, ["x"]), fresh.sample(logits, ["x"])
+        assert a.token_ids == b.token_ids and a.top_tokens == b.top_tokens
+        output.append(a.token_ids[0])
+    assert len(set(output)) > 3  # the penalties pushed it around
+
+
+def test_adding_a_known_request_again_keeps_its_state():
+    """A preempted request comes back to the paged runner as new: its generator and counts go on."""
+    p = SamplingParams(do_sample=True, seed=8, frequency_penalty=0.5)
+    logits = [rand_logits(1, 50, seed=700 + t, scale=0.5) for t in range(8)]
+    s, _ = make([p], ["x"])
+    straight = run_steps(s, logits, ["x"])[0]
+    s, _ = make([p], ["x"])
+    first = run_steps(s, logits[:4], ["x"])[0]
+    s.add("x", p, [], first)  # no reset
+    assert first + run_steps(s, logits[4:], ["x"])[0] == straight

@@ -56,6 +56,7 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int = 0
     preempted_ids: list[str] = field(default_factory=list)  # drop their state: they come back as new
     finished_ids: list[str] = field(default_factory=list)  # finished or aborted since the last plan
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)  # last step's tokens, for the runners' lists
 
     def add(self, request_id: str, num_tokens: int) -> None:
         self.num_scheduled_tokens[request_id] = num_tokens

@@ -44,10 +44,13 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """logits = h W^T over this rank's vocabulary slice, gathered to the full vocabulary."""
+    """logits = h W^T over this rank's vocabulary slice, gathered to the full vocabulary on rank 0,
+    which alone samples (other ranks get None: no all-gather of logits nobody reads)."""
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = nn.functional.linear(hidden, self.weight)  # [..., vocab / world]
         if self.comm.world_size > 1:
-            logits = self.comm.all_gather(logits, dim=-1)
+            logits = self.comm.gather(logits, dim=-1)
+            if logits is None:
+                return None
         return logits[..., : self.vocab_size]

@@ -72,7 +72,8 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             x = layer(x, positions, backend, meta)
         last = x[:, -1] if logits_index is None else x.reshape(-1, x.shape[-1])[logits_index]
-        return self.lm_head(self.norm(last)).float()
+        logits = self.lm_head(self.norm(last))
+        return logits.float() if logits is not None else None  # None: ranks > 0 (rank 0 samples)
 
     # -- loading ---------------------------------------------------------------------------------
     def load_weight(self, name: str, shape: list[int], get: SliceReader) -> bool:

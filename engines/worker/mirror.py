@@ -1,23 +1,103 @@
 """Rank 0 drives the other ranks by sending them each step operation before running it.
 
-    rank 0:   Mirrored(target, comm).call("decode", last_tokens)
-                  → comm.send_step(msgpack [name, args]) → target.decode(last_tokens)
-    rank > 0: serve_steps(target, comm): receive, decode the arguments by the method's type hints,
-              run the same method on its own shard (the collectives inside keep them in step)
+    rank 0:   Mirrored(target, comm).call(Decode(last_tokens))
+                  → comm.send_step(msgpack of the typed op) → op.run(target)
+    rank > 0: serve_steps(target, comm): receive, decode into the op's own type, op.run(target) on
+              its own shard (the collectives inside keep the ranks in step)
 
-Only plain data crosses (token ids, block ids, the scheduler's plan): never pickled objects.
+Operations are typed messages (msgspec structs, tagged), so a rank decodes exactly the fields and
+types an operation declares: only plain data crosses (token ids, block ids, the scheduler's plan),
+never pickled objects and never a method name.
 """
 
 from __future__ import annotations
 
 import logging
-import typing
+from typing import Union
 
 import msgspec
 
+from engines.core.scheduler import SchedulerOutput
 from engines.dist import STOP, Communicator
 
 log = logging.getLogger(__name__)
+
+
+class WarmUp(msgspec.Struct, tag="warm_up"):
+    """One prefill before serving (CUDA: the profiling forward)."""
+
+    num_tokens: int
+
+    def run(self, target):
+        return target.warm_up(self.num_tokens)
+
+
+# -- the paged engine's operations (PagedRunner) ------------------------------------------------
+class Allocate(msgspec.Struct, tag="allocate"):
+    num_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    attention_backend: str
+
+    def run(self, target):
+        return target.allocate(self.num_blocks, self.block_size, self.max_num_seqs, self.max_num_batched_tokens,
+                               self.attention_backend)
+
+
+class WarmUpBuckets(msgspec.Struct, tag="warm_up_buckets"):
+    def run(self, target):
+        return target.warm_up_buckets()
+
+
+class ApplyPlan(msgspec.Struct, tag="apply_plan"):
+    """A plan that computes nothing (it still carries finished ids and sampled tokens)."""
+
+    plan: SchedulerOutput
+
+    def run(self, target):
+        return target.apply_plan(self.plan)
+
+
+class Execute(msgspec.Struct, tag="execute"):
+    plan: SchedulerOutput
+
+    def run(self, target):
+        return target.execute(self.plan)
+
+
+# -- the padded engine's operations (PaddedBatch) -----------------------------------------------
+class Prefill(msgspec.Struct, tag="prefill"):
+    prompts: list[list[int]]
+
+    def run(self, target):
+        return target.prefill(self.prompts)
+
+
+class Merge(msgspec.Struct, tag="merge"):
+    keep: list[int]
+
+    def run(self, target):
+        return target.merge(self.keep)
+
+
+class Decode(msgspec.Struct, tag="decode"):
+    last_tokens: list[int]
+
+    def run(self, target):
+        return target.decode(self.last_tokens)
+
+
+class Retire(msgspec.Struct, tag="retire"):
+    keep: list[int]
+
+    def run(self, target):
+        return target.retire(self.keep)
+
+
+StepOp = Union[WarmUp, Allocate, WarmUpBuckets, ApplyPlan, Execute, Prefill, Merge, Decode, Retire]
+_decoder = msgspec.msgpack.Decoder(StepOp)
+_encoder = msgspec.msgpack.Encoder()
 
 
 class Mirrored:
@@ -25,10 +105,10 @@ class Mirrored:
         self.target = target
         self.comm = comm
 
-    def call(self, name: str, *args):
+    def call(self, op: StepOp):
         if self.comm.world_size > 1:
-            self.comm.send_step(msgspec.msgpack.encode([name, list(args)]))
-        return getattr(self.target, name)(*args)
+            self.comm.send_step(_encoder.encode(op))
+        return op.run(self.target)
 
     def stop(self) -> None:
         if self.comm.world_size > 1:
@@ -44,9 +124,4 @@ def serve_steps(target, comm: Communicator) -> None:
         data = comm.receive_step()
         if data == STOP:
             return
-        name, args = msgspec.msgpack.decode(data)
-        method = getattr(target, name)
-        hints = typing.get_type_hints(getattr(type(target), name))
-        params = [p for p in hints if p != "return"]
-        typed = [msgspec.convert(a, hints[p]) if p in hints else a for p, a in zip(params, args)]
-        method(*typed)
+        _decoder.decode(data).run(target)

@@ -17,10 +17,9 @@ from engines.startup import TIMELINE
 from engines.protocol import STATE_READY, Add, HealthReply, Output
 from engines.dist import SingleProcess
 from engines.worker.engine_loop import EngineLoop, kv_budget_bytes
-from engines.worker.mirror import Mirrored
+from engines.worker.mirror import Allocate, ApplyPlan, Execute, Mirrored, WarmUp, WarmUpBuckets
 from engines.worker.model_runner import ModelRunner
 from engines.worker.paged_runner import PagedRunner
-from engines.worker.sampler import Sampler
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +29,7 @@ class PagedEngine(EngineLoop):
         super().__init__(config, publish, comm or SingleProcess())
         self.max_model_len = model_max_len(config.model.local_dir, config.model.max_model_len)
         self.runner = ModelRunner(config.model, self.max_model_len, self.comm)
-        self.sampler = Sampler(self.runner.device)
-        self.requests: dict[str, Request] = {}
+        self._sampled: dict[str, int] = {}  # last step's tokens: the next plan carries them to the runners
         self._arrivals = 0
 
     def load(self) -> None:
@@ -41,14 +39,14 @@ class PagedEngine(EngineLoop):
         block_bytes = block_size * self.runner.kv_bytes_per_token
         self.paged = Mirrored(PagedRunner(self.runner), self.comm)
         with TIMELINE.phase("warm_up"):
-            peak = self.paged.call("warm_up", min(sched.max_num_batched_tokens, self.max_model_len))
+            peak = self.paged.call(WarmUp(min(sched.max_num_batched_tokens, self.max_model_len)))
         budget = kv_budget_bytes(sched, self.runner, self.comm.world_size, peak, block_size)
         num_blocks = max(budget // block_bytes, 1)
         with TIMELINE.phase("kv_allocation"):
-            self.paged.call("allocate", num_blocks, block_size, sched.max_num_seqs, sched.max_num_batched_tokens,
-                            sched.attention_backend)
+            self.paged.call(Allocate(num_blocks, block_size, sched.max_num_seqs, sched.max_num_batched_tokens,
+                                     sched.attention_backend))
         with TIMELINE.phase("warm_up_buckets"):
-            self.paged.call("warm_up_buckets")
+            self.paged.call(WarmUpBuckets())
         self.blocks = BlockManager(num_blocks, block_size, sched.enable_prefix_caching)
         self.scheduler = Scheduler(sched.max_num_seqs, sched.max_num_batched_tokens, self.blocks, self.max_model_len)
         log.info("paged KV cache: %d blocks of %d tokens = %d tokens, %d bytes; attention backend %s; "
@@ -104,46 +102,35 @@ class PagedEngine(EngineLoop):
             self.scheduler.add(req)
         except ValueError as exc:  # can never fit the cache (or the model): refuse now, not never
             self.publish_error(req.request_id, 507, f"the request cannot be served: {exc}")
-            return
-        self.requests[req.request_id] = req
-        self.sampler.add(req.request_id, req.sampling)
 
     def abort(self, request_id: str) -> None:
-        if self.scheduler.abort(request_id) is not None:
-            self._forget(request_id)
+        self.scheduler.abort(request_id)
 
     def step(self) -> None:
+        """One message crosses the ranks per step: the plan, carrying last step's sampled tokens."""
         self.num_steps += 1
         plan = self.scheduler.schedule()
+        plan.sampled_token_ids, self._sampled = self._sampled, {}
         if not plan.total_num_scheduled_tokens:  # nothing fits now: still hand over what finished
-            self.paged.call("apply_plan", plan)
+            self.paged.call(ApplyPlan(plan))
             self.scheduler.update(plan, {})
             return
         try:
-            rids, logits = self.paged.call("execute", plan)
-            result = self.sampler.sample_requests(logits, [self.requests[r] for r in rids]) if rids else None
+            result = self.paged.call(Execute(plan))
         except Exception as exc:
             victims = list(plan.num_scheduled_tokens)
             for rid in victims:
                 self.scheduler.abort(rid)
-                self._forget(rid)
             self.fail_step(victims, exc)
             return
-        sampled = dict(zip(rids, result.token_ids)) if result else {}
-        if sampled:
-            self.paged.call("append_tokens", sampled)
-        updated = self.scheduler.update(plan, sampled)
+        rids, sample = (result.request_ids, result.sample) if result else ([], None)
+        self._sampled = dict(zip(rids, sample.token_ids)) if sample else {}
+        updated = self.scheduler.update(plan, self._sampled)
         index = {rid: i for i, rid in enumerate(rids)}
         outputs = []
         for req in updated:
             i = index[req.request_id]
-            top = [result.top_tokens[i]] if req.sampling.top_n_tokens else []
-            outputs.append(Output(req.request_id, [result.token_ids[i]], [result.log_probs[i]], top,
+            top = [sample.top_tokens[i]] if req.sampling.top_n_tokens else []
+            outputs.append(Output(req.request_id, [sample.token_ids[i]], [sample.log_probs[i]], top,
                                   req.is_finished, req.finish_reason))
-            if req.is_finished:
-                self._forget(req.request_id)
         self.publish(outputs)
-
-    def _forget(self, request_id: str) -> None:
-        self.requests.pop(request_id, None)
-        self.sampler.remove(request_id)

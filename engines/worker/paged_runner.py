@@ -20,6 +20,7 @@ import torch
 from engines.attention.base import AttentionBackend, SeqSlice, bucket, select_backend, token_buckets
 from engines.core.scheduler import SchedulerOutput
 from engines.worker.model_runner import ModelRunner
+from engines.worker.sampler import SampleResult, Sampler
 
 
 @dataclass
@@ -28,6 +29,14 @@ class _SeqState:
     block_ids: list[int]
     num_computed_tokens: int
     extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class StepResult:
+    """What a step produced on rank 0: one sampled token per request whose chunk reached its end."""
+
+    request_ids: list[str]
+    sample: SampleResult
 
 
 class PagedRunner:
@@ -40,6 +49,8 @@ class PagedRunner:
         self.runner = runner
         self.backend: AttentionBackend | None = None
         self.states: dict[str, _SeqState] = {}
+        self.samples = runner.comm.rank == 0  # the logits land on rank 0 only
+        self.sampler = Sampler(runner.device)
 
     def allocate(self, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
                  attention_backend: str = "auto") -> None:
@@ -64,20 +75,32 @@ class PagedRunner:
         return self.runner.warm_up(num_tokens)
 
     def apply_plan(self, plan: SchedulerOutput) -> None:
-        """Take in what changed: finished/preempted requests, new ones, new blocks."""
-        for rid in list(plan.finished_ids) + list(plan.preempted_ids):
+        """Take in what changed: the tokens sampled last step, finished/preempted requests, new ones,
+        new blocks."""
+        for request_id, token_id in plan.sampled_token_ids.items():
+            st = self.states.get(request_id)
+            if st is not None:
+                st.token_ids.append(token_id)
+        for rid in plan.finished_ids:
+            self.states.pop(rid, None)
+            self.sampler.remove(rid)
+        for rid in plan.preempted_ids:  # back later as new; its sampler state (seed, counts) goes on
             self.states.pop(rid, None)
         for new in plan.new_requests:
             self.states[new.request_id] = _SeqState(list(new.token_ids), list(new.block_ids),
                                                     new.num_computed_tokens)
+            if self.samples:
+                self.sampler.add(new.request_id, new.sampling, new.token_ids[:new.num_prompt_tokens],
+                                 new.token_ids[new.num_prompt_tokens:])
         for cached in plan.cached_requests:
             st = self.states[cached.request_id]
             st.block_ids.extend(cached.new_block_ids)
             st.num_computed_tokens = cached.num_computed_tokens
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput) -> tuple[list[str], torch.Tensor | None]:
-        """Run the step; → (ids of the requests that produce a token, their logits [n, V])."""
+    def execute(self, plan: SchedulerOutput) -> StepResult | None:
+        """Run the step and sample; → on rank 0 the sampled tokens (None on other ranks, or when
+        nothing was scheduled). They reach every rank's token lists with the next plan."""
         self.apply_plan(plan)
         seqs: list[SeqSlice] = []
         ids: list[int] = []
@@ -95,10 +118,13 @@ class PagedRunner:
                 sampling_ids.append(rid)
             st.num_computed_tokens = start + n
         if not ids:
-            return [], None
+            return None
         decode_only = len(ids) == len(seqs)
         size = bucket(self.backend.decode_buckets if decode_only else self.buckets, len(ids))
-        return sampling_ids, self._forward(seqs, ids, positions, logits_index, size)
+        logits = self._forward(seqs, ids, positions, logits_index, size)
+        if logits is None or not sampling_ids:
+            return None
+        return StepResult(sampling_ids, self.sampler.sample(logits, sampling_ids))
 
     def _forward(self, seqs: list[SeqSlice], ids: list[int], positions: list[int], logits_index: list[int],
                  size: int, pad: bool = True) -> torch.Tensor:
@@ -114,11 +140,4 @@ class PagedRunner:
         logits = self.runner.model(torch.tensor([ids], device=device), torch.tensor([positions], device=device),
                                    self.backend, meta,
                                    torch.tensor(logits_index + [0] * (rows - n), dtype=torch.long, device=device))
-        return logits[:n]
-
-    def append_tokens(self, tokens: dict[str, int]) -> None:
-        """The tokens rank 0 sampled this step (the next step computes from them)."""
-        for request_id, token_id in tokens.items():
-            st = self.states.get(request_id)
-            if st is not None:
-                st.token_ids.append(token_id)
+        return logits[:n] if logits is not None else None

@@ -20,7 +20,7 @@ from engines.startup import TIMELINE
 from engines.protocol import STATE_READY, Add, HealthReply, Output
 from engines.worker.engine_loop import EngineLoop, kv_budget_bytes
 from engines.dist import SingleProcess
-from engines.worker.mirror import Mirrored
+from engines.worker.mirror import Decode, Merge, Mirrored, Prefill, Retire, WarmUp
 from engines.worker.model_runner import ModelRunner
 from engines.worker.padded_batch import PaddedBatch
 from engines.worker.sampler import Sampler
@@ -64,7 +64,7 @@ class RollingEngine(EngineLoop):
         self.runner.load()
         sched = self.config.scheduler
         with TIMELINE.phase("warm_up"):
-            peak = self.batch.call("warm_up", min(sched.max_num_batched_tokens, self.runner.max_model_len))
+            peak = self.batch.call(WarmUp(min(sched.max_num_batched_tokens, self.runner.max_model_len)))
         budget = kv_budget_bytes(sched, self.runner, self.comm.world_size, peak)
         per_token = self.runner.kv_bytes_per_token
         self.limits = AdmissionLimits(sched.max_num_seqs, sched.max_num_batched_tokens, budget // per_token)
@@ -112,7 +112,7 @@ class RollingEngine(EngineLoop):
             if new:
                 self._prefill(new, outputs)
             if any(not r.is_finished for r in self.running):
-                logits = self.batch.call("decode", [r.output_token_ids[-1] for r in self.running])
+                logits = self.batch.call(Decode([r.output_token_ids[-1] for r in self.running]))
                 self._sample(self.running, logits, outputs)
         except Exception as exc:
             victims = {r.request_id: r for r in self.running + new}
@@ -128,18 +128,18 @@ class RollingEngine(EngineLoop):
     def _prefill(self, new: list[Request], outputs: dict[str, StepOutput]) -> None:
         for req in new:
             req.status = Status.RUNNING
-            self.sampler.add(req.request_id, req.sampling)
-        logits = self.batch.call("prefill", [r.prompt_token_ids for r in new])
+            self.sampler.add(req.request_id, req.sampling, req.prompt_token_ids)
+        logits = self.batch.call(Prefill([r.prompt_token_ids for r in new]))
         self._sample(new, logits, outputs)
         keep = [i for i, r in enumerate(new) if not r.is_finished]
         for r in new:
             if r.is_finished:
                 self.sampler.remove(r.request_id)
-        self.batch.call("merge", keep)
+        self.batch.call(Merge(keep))
         self.running += [new[i] for i in keep]
 
     def _sample(self, rows: list[Request], logits: torch.Tensor, outputs: dict[str, StepOutput]) -> None:
-        result = self.sampler.sample_requests(logits, rows)
+        result = self.sampler.sample(logits, [r.request_id for r in rows])
         for i, req in enumerate(rows):
             if req.is_finished:  # aborted this step: its row is decoded but its token dropped
                 continue
@@ -155,4 +155,4 @@ class RollingEngine(EngineLoop):
             if r.is_finished:
                 self.sampler.remove(r.request_id)
         self.running = [self.running[i] for i in keep]
-        self.batch.call("retire", keep)
+        self.batch.call(Retire(keep))

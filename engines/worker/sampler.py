@@ -1,10 +1,17 @@
 """Vectorised per-row sampling: greedy, temperature, top-k, top-p, repetition, presence and frequency
-penalties, seeds.
+penalties, seeds, with each request's state kept on the device.
 
-Every row has its own torch.Generator, seeded from the request's seed (or at random), and draws
-from it exactly once per token, so a seeded request gives the same tokens alone and in any batch.
-Sampling uses the exponential race: argmax(p / E) with E ~ Exp(1) per vocabulary entry is a draw
-from p, and the noise comes from each row's own generator.
+A request is added once (`add`, with its prompt and any tokens it already generated) and sampled
+by id; the sampler keeps, per request, what its penalties need as tensors over the vocabulary —
+which tokens it has seen (repetition penalty: prompt and output) and how often it generated each
+(presence / frequency) — and updates them in place with every sampled token, so a step never
+rebuilds prompt + output lists.
+
+Every sampled row has its own torch.Generator, seeded from the request's seed (or at random), and
+draws from it exactly once per token, so a seeded request gives the same tokens alone and in any
+batch. Sampling uses the exponential race: argmax(p / E) with E ~ Exp(1) per vocabulary entry is a
+draw from p, and the noise comes from each row's own generator. Only rows with top-k or top-p sort
+the vocabulary.
 """
 
 from __future__ import annotations
@@ -24,35 +31,53 @@ class SampleResult:
     top_tokens: list[list[tuple[int, float]]]  # per row: top_n (id, log_prob), empty when not asked
 
 
+class _RequestState:
+    __slots__ = ("params", "generator", "seen", "counts", "pending")
+
+    def __init__(self, params: SamplingParams, generator: torch.Generator | None):
+        self.params = params
+        self.generator = generator
+        self.seen: torch.Tensor | None = None  # [V] bool: prompt and output (repetition penalty)
+        self.counts: torch.Tensor | None = None  # [V] float: occurrences in the output (presence, frequency)
+        self.pending: tuple[list[int], list[int]] | None = None  # (prompt, output) until the vocabulary is known
+
+
 class Sampler:
     def __init__(self, device: torch.device):
         self.device = device
-        self._generators: dict[str, torch.Generator] = {}
+        self._states: dict[str, _RequestState] = {}
 
-    def add(self, request_id: str, params: SamplingParams) -> None:
+    def add(self, request_id: str, params: SamplingParams, prompt_token_ids: list[int] = (),
+            output_token_ids: list[int] = ()) -> None:
+        """Start tracking a request (again after a preemption: its state is kept, nothing changes)."""
+        if request_id in self._states:
+            return
+        g = None
         if params.do_sample:
             g = torch.Generator(device=self.device)
             g.manual_seed(params.seed if params.seed is not None else random.getrandbits(63))
-            self._generators[request_id] = g
+        state = _RequestState(params, g)
+        if params.repetition_penalty != 1.0 or params.has_output_penalties:
+            state.pending = (list(prompt_token_ids), list(output_token_ids))
+        self._states[request_id] = state
 
     def remove(self, request_id: str) -> None:
-        self._generators.pop(request_id, None)
+        self._states.pop(request_id, None)
 
-    def sample_requests(self, logits: torch.Tensor, requests) -> SampleResult:
-        """One token for each request (engines.core Request objects, rows of `logits` in order)."""
-        seen = [r.prompt_token_ids + r.output_token_ids if r.sampling.repetition_penalty != 1.0 else []
-                for r in requests]
-        outputs = [r.output_token_ids if r.sampling.has_output_penalties else [] for r in requests]
-        return self.sample(logits, [r.request_id for r in requests], [r.sampling for r in requests], seen, outputs)
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._states
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams],
-               seen_tokens: list[list[int]], output_tokens: list[list[int]] | None = None) -> SampleResult:
-        """logits: [B, V] float32 → one token per row. `seen_tokens` (prompt + output) feed the
-        repetition penalty, `output_tokens` the presence and frequency penalties."""
-        logits = _apply_repetition_penalty(logits, params, seen_tokens)
-        if output_tokens is not None:
-            logits = _apply_output_penalties(logits, params, output_tokens)
+    def sample(self, logits: torch.Tensor, request_ids: list[str]) -> SampleResult:
+        """logits: [B, V] float32, row i for request_ids[i] → one token per row; each request's
+        penalty state then counts its token."""
+        states = [self._states[rid] for rid in request_ids]
+        params = [s.params for s in states]
+        vocab = logits.shape[1]
+        for s in states:
+            if s.pending is not None:
+                self._materialise(s, vocab)
+        logits = _apply_penalties(logits, states)
         sampled_rows = [i for i, p in enumerate(params) if p.do_sample]
         if sampled_rows:
             logits = logits.clone()
@@ -61,8 +86,8 @@ class Sampler:
         chosen = log_probs.argmax(dim=-1)
         if sampled_rows:
             probs = log_probs[sampled_rows].exp()
-            noise = torch.stack([torch.empty(probs.shape[1], device=self.device)
-                                 .exponential_(generator=self._generators[request_ids[i]]) for i in sampled_rows])
+            noise = torch.stack([torch.empty(vocab, device=self.device).exponential_(generator=states[i].generator)
+                                 for i in sampled_rows])
             chosen[sampled_rows] = (probs / noise).argmax(dim=-1)
         chosen_lp = log_probs.gather(1, chosen.view(-1, 1)).view(-1)
         top_n = max(p.top_n_tokens for p in params)
@@ -72,59 +97,68 @@ class Sampler:
             for i, p in enumerate(params):
                 n = p.top_n_tokens
                 top[i] = list(zip(ids[i, :n].tolist(), values[i, :n].tolist()))
-        return SampleResult(chosen.tolist(), chosen_lp.tolist(), top)
+        token_ids = chosen.tolist()
+        for s, tok in zip(states, token_ids):
+            if s.seen is not None:
+                s.seen[tok] = True
+            if s.counts is not None:
+                s.counts[tok] += 1
+        return SampleResult(token_ids, chosen_lp.tolist(), top)
+
+    def _materialise(self, s: _RequestState, vocab: int) -> None:
+        prompt, output = s.pending
+        s.pending = None
+        if s.params.repetition_penalty != 1.0:
+            s.seen = torch.zeros(vocab, dtype=torch.bool, device=self.device)
+            s.seen[torch.tensor(prompt + output, dtype=torch.long, device=self.device)] = True
+        if s.params.has_output_penalties:
+            s.counts = torch.zeros(vocab, dtype=torch.float32, device=self.device)
+            ids = torch.tensor(output, dtype=torch.long, device=self.device)
+            s.counts.index_add_(0, ids, torch.ones(len(output), device=self.device))
 
 
-def _apply_repetition_penalty(logits: torch.Tensor, params: list[SamplingParams],
-                              seen_tokens: list[list[int]]) -> torch.Tensor:
-    rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
-    if not rows:
+def _apply_penalties(logits: torch.Tensor, states: list[_RequestState]) -> torch.Tensor:
+    """The repetition penalty as HF applies it (divide positive logits, multiply negative ones, over
+    prompt + output), then OpenAI's presence and frequency penalties as vLLM applies them
+    (logit -= frequency_penalty * count + presence_penalty * (count > 0)), all rows at once."""
+    rep = [i for i, s in enumerate(states) if s.seen is not None]
+    out = [i for i, s in enumerate(states) if s.counts is not None]
+    if not rep and not out:
         return logits
     logits = logits.clone()
-    for i in rows:  # as HF: divide positive logits, multiply negative ones, over prompt + output
-        idx = torch.tensor(sorted(set(seen_tokens[i])), dtype=torch.long, device=logits.device)
-        vals = logits[i, idx]
-        penalty = params[i].repetition_penalty
-        logits[i, idx] = torch.where(vals > 0, vals / penalty, vals * penalty)
-    return logits
-
-
-def _apply_output_penalties(logits: torch.Tensor, params: list[SamplingParams],
-                            output_tokens: list[list[int]]) -> torch.Tensor:
-    """OpenAI's presence and frequency penalties over the generated tokens, as vLLM applies them:
-    logit -= frequency_penalty * count + presence_penalty * (count > 0), for all rows at once."""
-    rows = [i for i, p in enumerate(params) if p.has_output_penalties and output_tokens[i]]
-    if not rows:
-        return logits
-    width = max(len(output_tokens[i]) for i in rows)
-    ids = torch.tensor([output_tokens[i] + [0] * (width - len(output_tokens[i])) for i in rows],
-                       dtype=torch.long, device=logits.device)  # [R, L], padded with token 0 ...
-    ones = torch.tensor([[1.0] * len(output_tokens[i]) + [0.0] * (width - len(output_tokens[i])) for i in rows],
-                        dtype=logits.dtype, device=logits.device)  # ... that counts 0 times
-    counts = torch.zeros(len(rows), logits.shape[1], dtype=logits.dtype, device=logits.device)
-    counts.scatter_add_(1, ids, ones)  # [R, V]: occurrences of each token in the output
-    freq = torch.tensor([params[i].frequency_penalty for i in rows], dtype=logits.dtype, device=logits.device)
-    pres = torch.tensor([params[i].presence_penalty for i in rows], dtype=logits.dtype, device=logits.device)
-    logits = logits.clone()
-    logits[rows] -= freq.view(-1, 1) * counts + pres.view(-1, 1) * (counts > 0).to(logits.dtype)
+    if rep:
+        seen = torch.stack([states[i].seen for i in rep])  # [R, V]
+        penalty = torch.tensor([states[i].params.repetition_penalty for i in rep], device=logits.device).view(-1, 1)
+        rows = logits[rep]
+        logits[rep] = torch.where(seen, torch.where(rows > 0, rows / penalty, rows * penalty), rows)
+    if out:
+        counts = torch.stack([states[i].counts for i in out])  # [R, V]
+        freq = torch.tensor([states[i].params.frequency_penalty for i in out], device=logits.device).view(-1, 1)
+        pres = torch.tensor([states[i].params.presence_penalty for i in out], device=logits.device).view(-1, 1)
+        logits[out] -= freq * counts + pres * (counts > 0).to(logits.dtype)
     return logits
 
 
 def _warp(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Temperature, then top-k, then top-p, per row ([n, V] → [n, V] with -inf outside)."""
+    """Temperature for every row, then top-k and top-p for the rows that ask ([n, V] → [n, V] with
+    -inf outside); only those rows sort the vocabulary."""
     temps = torch.tensor([p.temperature for p in params], device=logits.device).view(-1, 1)
     logits = logits / temps
     vocab = logits.shape[1]
-    ks = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=logits.device)
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    cut = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
+    if not cut:
+        return logits
+    rows = logits[cut]
+    ks = torch.tensor([params[i].top_k if 0 < params[i].top_k < vocab else vocab for i in cut], device=logits.device)
+    sorted_logits, order = rows.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=logits.device).view(1, -1)
     drop = ranks >= ks.view(-1, 1)
-    top_ps = torch.tensor([p.top_p for p in params], device=logits.device).view(-1, 1)
+    top_ps = torch.tensor([params[i].top_p for i in cut], device=logits.device).view(-1, 1)
     if (top_ps < 1.0).any():
         probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
         before = probs.cumsum(dim=-1) - probs  # mass of strictly better tokens
         drop |= before >= top_ps  # keep the smallest prefix whose mass reaches top_p
     drop[:, 0] = False  # the best token always stays (a top_p that rounds to 0 in float32 must not empty a row)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
-
+    logits[cut] = torch.empty_like(rows).scatter_(1, order, sorted_logits)
+    return logits
