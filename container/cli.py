@@ -10,25 +10,39 @@ import time
 
 from container import config as cfgmod
 from container.artifacts import ArtifactError, resolve_model
-from container.keys import ConfigError
-from container.properties import PropertiesError, read_properties
+from container.keys import KEY_ALIASES, ConfigError
+from container.model_maker import ARCHITECTURES, DTYPES, SIZES
+from container.properties import PropertiesError, read_properties, read_vllm_yaml
 from engines.startup import TIMELINE, process_age
 
 log = logging.getLogger("container.cli")
 
 
-def _properties(path: str | None, model_dir: str | None) -> dict[str, str]:
+def _properties(path: str | None, model_dir: str | None, yaml_path: str | None = None) -> dict[str, str]:
+    """serving.properties (--properties, or the model dir's), merged with a vLLM-style YAML config
+    (--config): both are the file layer; a key both set to different values is an error."""
+    props: dict[str, str] = {}
     if path:
         if not os.path.isfile(path):
             raise ConfigError(f"--properties {path}: no such file")
-        return read_properties(path)
-    if model_dir and os.path.isfile(os.path.join(model_dir, "serving.properties")):
-        return read_properties(os.path.join(model_dir, "serving.properties"))
-    return {}
+        props = read_properties(path)
+    elif model_dir and os.path.isfile(os.path.join(model_dir, "serving.properties")):
+        props = read_properties(os.path.join(model_dir, "serving.properties"))
+    if yaml_path:
+        if not os.path.isfile(yaml_path):
+            raise ConfigError(f"--config {yaml_path}: no such file")
+        for key, value in read_vllm_yaml(yaml_path).items():
+            target = KEY_ALIASES.get(key, key)
+            same = [k for k in props if KEY_ALIASES.get(k, k) == target]
+            if same and props[same[0]].strip() != value.strip():
+                raise ConfigError(f"{target} is set in serving.properties ({same[0]}={props[same[0]]!r}) and in "
+                                  f"{yaml_path} ({value!r}); set it in one of them")
+            props.setdefault(same[0] if same else key, value)
+    return props
 
 
 def _resolve(args) -> cfgmod.ResolvedConfig:
-    resolved = cfgmod.resolve(_properties(args.properties, args.model_dir), os.environ)
+    resolved = cfgmod.resolve(_properties(args.properties, args.model_dir, getattr(args, "config", None)), os.environ)
     for warning in resolved.warnings:
         log.warning("%s", warning)
     return resolved
@@ -135,7 +149,8 @@ def cmd_make_model(args) -> int:
     overrides = {k: v for k, v in {"num_key_value_heads": args.num_kv_heads, "num_attention_heads": args.num_heads,
                                    "num_hidden_layers": args.num_layers, "hidden_size": args.hidden_size}.items()
                  if v is not None}
-    card = make_model(args.out_dir, arch=args.arch, size=args.size, seed=args.seed, overrides=overrides)
+    card = make_model(args.out_dir, arch=args.arch, size=args.size, seed=args.seed, overrides=overrides,
+                      dtype=args.dtype)
     print(f"wrote {card['architecture']} ({card['num_parameters']:,} parameters, median top-1 logit margin "
           f"{card['median_top1_margin']}) to {args.out_dir}")
     return 0
@@ -148,6 +163,8 @@ def parser() -> argparse.ArgumentParser:
     for name, fn, what in COMMANDS:
         s = sub.add_parser(name, help=what, description=what)
         s.add_argument("--properties", help="serving.properties file (default: MODEL_DIR/serving.properties)")
+        s.add_argument("--config", help="a vLLM-style YAML config of engine arguments (vllm serve --config), "
+                                        "beside serving.properties")
         s.add_argument("--model-dir", help="model directory (default for option.model_id)")
         if name == "plan":
             _plan_arguments(s)
@@ -157,8 +174,10 @@ def parser() -> argparse.ArgumentParser:
         s.set_defaults(fn=fn)
     m = sub.add_parser("make-model", help=MAKE_MODEL, description=MAKE_MODEL)
     m.add_argument("out_dir")
-    m.add_argument("--arch", default="llama", choices=("llama", "mistral", "qwen2", "gpt2"))
-    m.add_argument("--size", default="tiny", choices=("tiny", "small"))
+    m.add_argument("--arch", default="llama", choices=ARCHITECTURES)
+    m.add_argument("--size", default="tiny", choices=list(SIZES))
+    m.add_argument("--dtype", default="float32", choices=DTYPES,
+                   help="dtype of the written weights (default float32)")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--num-kv-heads", type=int)
     m.add_argument("--num-heads", type=int)

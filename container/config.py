@@ -72,7 +72,8 @@ def collect_raw(properties: Mapping[str, str], env: Mapping[str, str]) -> tuple[
     for key, value in properties.items():
         _put(raw, key, value, FILE)
     checked = {key for key in raw}  # file keys and OPTION_* keys get "did you mean" hints
-    for name, value in sorted(env.items()):
+    # HF_MODEL_ID / HF_REVISION after the OPTION_* variables: an OPTION_* name says the key exactly
+    for name, value in sorted(env.items(), key=lambda item: (item[0].startswith("HF_"), item[0])):
         value = value.strip()
         if not value:
             continue
@@ -83,6 +84,13 @@ def collect_raw(properties: Mapping[str, str], env: Mapping[str, str]) -> tuple[
             _put(raw, key, value, f"{ENV} ({name})")
             if name.startswith("OPTION_"):
                 checked.add(KEY_ALIASES.get(key, key))
+    for name, option in (("HF_MODEL_ID", "OPTION_MODEL_ID"), ("HF_REVISION", "OPTION_REVISION")):
+        ours, theirs = (env.get(option) or "").strip(), (env.get(name) or "").strip()
+        if ours and theirs and ours != theirs:
+            used = "the properties file's" if raw.get(_env_key(name), ("", ""))[1] == FILE else option
+            warnings.append(f"{name}={theirs!r} and {option}={ours!r} are both set: using {used} value (an "
+                            f"OPTION_* variable names its key exactly; {name} is SageMaker's shorthand, and DJL "
+                            "would load both models)")
     for name, key in ENV_ALIASES:
         if (env.get(name) or "").strip() and key not in raw:
             raw[key] = (env[name].strip(), f"{ENV} ({name})")
@@ -248,7 +256,7 @@ def build(cfg: ResolvedConfig, *, local_dir: str, architecture: str | None,
                           max_inputs_per_request=cfg["max_inputs_per_request"],
                           max_input_chars=cfg["max_input_chars"], drain_timeout_s=float(cfg["drain_timeout"]),
                           served_model_name=served_model_name(cfg, local_dir),
-                          chat_template=cfg["option.chat_template"])
+                          chat_template=cfg["option.chat_template"], tgi_compat=cfg["option.tgi_compat"])
     return LmiConfig(model=model, scheduler=scheduler,
                      parallel=ParallelConfig(use_mpi=use_mpi, tensor_parallel_degree=tp), server=server)
 

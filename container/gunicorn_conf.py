@@ -9,10 +9,12 @@ logconfig_dict = {
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {"plain": {"format": "%(asctime)s http[%(process)d] %(levelname)s %(name)s: %(message)s"}},
+    "filters": {"quiet_pings": {"()": "handlers.http_worker.QuietPings"}},
     "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "plain", "stream": "ext://sys.stderr"}},
     "root": {"level": "INFO", "handlers": ["stderr"]},
     "loggers": {
         "gunicorn.error": {"level": "INFO", "handlers": ["stderr"], "propagate": False},
-        "gunicorn.access": {"level": "INFO", "handlers": ["stderr"], "propagate": False},
+        # a health check every few seconds would flood the log: /ping lines only when the answer changes
+        "gunicorn.access": {"level": "INFO", "handlers": ["stderr"], "propagate": False, "filters": ["quiet_pings"]},
     },
 }

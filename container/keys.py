@@ -137,6 +137,7 @@ KEYS: tuple[Key, ...] = (
     Key("option.kv_block_size", integer(1), 16, "tokens per paged KV block"),
     Key("option.enable_prefix_caching", boolean, False, "reuse KV blocks of shared prompt prefixes"),
     Key("option.enforce_eager", boolean, False, "no CUDA graphs / torch.compile"),
+    Key("option.tgi_compat", boolean, False, "/invocations answers as TGI's POST / (an array, or TGI's SSE stream)"),
     Key("option.attention_backend", choice("auto", "torch", "flash_attn"), "auto",
         "paged attention kernels: flash_attn (CUDA with flash-attn installed), torch, or auto (the first that runs)"),
     Key("option.max_new_tokens", integer(1), 30, "default max_new_tokens of a request"),
@@ -177,6 +178,6 @@ FOREIGN_KEYS = frozenset({
     "option.decoding_strategy", "option.max_sparsity", "option.max_splits", "option.waiting_steps",
     "option.swap_space", "option.block_size", "option.seed", "option.tokenizer", "option.tokenizer_mode",
     "option.max_input_len", "option.max_output_len", "option.async_mode", "option.use_passive_workers",
-    "option.tgi_compat", "option.image_placeholder_token", "option.enable_venv", "option.pythonExecutable",
+    "option.image_placeholder_token", "option.enable_venv", "option.pythonExecutable",
     "option.env", "option.handler", "option.max_seq_len_to_capture", "option.num_scheduler_steps",
 })

@@ -20,7 +20,11 @@ SIZES = {
                  intermediate_size=128, max_position_embeddings=1024),
     "small": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
                   intermediate_size=3072, max_position_embeddings=2048),
+    # 1.01 B parameters (2.0 GB in bf16): the loading benchmark's model
+    "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
+               intermediate_size=8192, max_position_embeddings=2048),
 }
+DTYPES = ("float32", "bfloat16", "float16")
 ARCHITECTURES = ("llama", "mistral", "qwen2", "gpt2")
 VOCAB_SIZE = 1024
 INIT_RANGE = 0.1
@@ -81,7 +85,7 @@ def model_config(arch: str, size: str, tokenizer, overrides: dict | None = None)
 
 
 def make_model(out_dir: str, arch: str = "llama", size: str = "tiny", seed: int = 0,
-               overrides: dict | None = None) -> dict:
+               overrides: dict | None = None, dtype: str = "float32") -> dict:
     """Write config, safetensors weights, tokenizer and a model card to `out_dir`; return the card."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -90,6 +94,8 @@ def make_model(out_dir: str, arch: str = "llama", size: str = "tiny", seed: int 
         raise ValueError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     tokenizer = train_tokenizer()
     config = model_config(arch, size, tokenizer, overrides)
     torch.manual_seed(seed)
@@ -98,12 +104,14 @@ def make_model(out_dir: str, arch: str = "llama", size: str = "tiny", seed: int 
         head = model.get_output_embeddings()
         head.weight.mul_(LM_HEAD_SCALE)
     model.eval()
+    margin = median_top1_margin(model, tokenizer)
+    model.to(getattr(torch, dtype))  # the checkpoint's dtype (config.json says it too)
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     card = {"architecture": config.architectures[0] if config.architectures else type(model).__name__,
             "size": size, "seed": seed, "num_parameters": sum(p.numel() for p in model.parameters()),
-            "median_top1_margin": round(median_top1_margin(model, tokenizer), 4),
+            "median_top1_margin": round(margin, 4), "dtype": dtype,
             "init_range": INIT_RANGE, "lm_head_scale": LM_HEAD_SCALE}
     with open(os.path.join(out_dir, "lmi_model_card.json"), "w", encoding="utf-8") as f:
         json.dump(card, f, indent=2)

@@ -102,3 +102,37 @@ def _unescape(s: str) -> str:
         out.append(_ESCAPES.get(nxt, nxt))
         i += 2
     return "".join(out)
+
+
+# vLLM engine-argument names that are not `option.<name>` here (the rest are, or are aliases of ours)
+_VLLM_NAMES = {"model": "option.model_id", "tensor_parallel_size": "option.tensor_parallel_degree",
+               "revision": "option.revision"}
+
+
+def read_vllm_yaml(path: str) -> dict[str, str]:
+    """A vLLM-style YAML config (`vllm serve --config FILE`): a flat mapping of engine arguments,
+    `max-num-seqs: 64` or `max_num_seqs: 64`, mapped to our keys (`model` → option.model_id,
+    `tensor-parallel-size` → option.tensor_parallel_degree, anything else → option.<name>, where
+    vLLM's spellings are aliases of ours). Values become the strings a properties file would hold."""
+    import yaml
+
+    with open(path, encoding="utf-8") as f:
+        try:
+            data = yaml.safe_load(f)
+        except yaml.YAMLError as exc:
+            raise PropertiesError(f"{path}: not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise PropertiesError(f"{path}: a vLLM config is a mapping of engine arguments, not a {type(data).__name__}")
+    result: dict[str, str] = {}
+    for name, value in data.items():
+        key = str(name).strip().replace("-", "_")
+        if isinstance(value, (dict, list)):
+            if key == "served_model_name" and isinstance(value, list) and len(value) == 1:
+                value = value[0]
+            else:
+                raise PropertiesError(f"{path}: {name}: only single values are supported, not a {type(value).__name__}")
+        text = "" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+        result[_VLLM_NAMES.get(key, key if key.startswith("option.") else f"option.{key}")] = text
+    return result

@@ -69,6 +69,7 @@ class ServerConfig(msgspec.Struct, frozen=True):
     drain_timeout_s: float = 20.0  # SageMaker kills the container 30 s after SIGTERM
     served_model_name: str = "model"  # what /v1/models lists and OpenAI requests name
     chat_template: str | None = None  # option.chat_template: a file path or an inline template
+    tgi_compat: bool = False  # option.tgi_compat: /invocations answers as TGI's POST /
 
 
 class LmiConfig(msgspec.Struct, frozen=True):

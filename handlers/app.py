@@ -32,10 +32,11 @@ from handlers.errors import HttpError, bad_request
 from handlers.formatters import JSONLINES, SSE, collect, response_body, stream_lines
 from handlers.generation import ClientGone, Generation, client_gone
 from handlers.metrics import render as render_metrics
+from handlers.request_metrics import REQUEST_METRICS
 from handlers.chat_template import ChatTemplate
 from handlers.openai_routes import djl_chat
 from handlers.openai_routes import register as register_openai
-from handlers.tgi_routes import register as register_tgi
+from handlers.tgi_routes import TGI_PATHS, register as register_tgi
 from handlers.schemas import GenerationRequest, RequestLimits, parse_body, parse_request
 from handlers.tokenizer import TextTokenizer
 
@@ -44,6 +45,7 @@ log = logging.getLogger("handlers.app")
 PING_TIMEOUT_S = 1.0  # a health round trip when the snapshot is older than PING_SNAPSHOT_AGE_S
 PING_SNAPSHOT_AGE_S = 1.0  # a ready snapshot this fresh answers /ping (a death shows through engine.dead)
 BODY_CHUNK = 1 << 16
+UNCOUNTED_PATHS = ("/ping", "/health", "/metrics")  # not in the request metrics
 
 
 class Service:
@@ -149,6 +151,7 @@ def create_app(run_dir: str) -> Flask:
     sched = config.scheduler
     client = EngineClient(engine_socket_path(run_dir), high_water_mark(sched.job_queue_size, sched.max_num_seqs),
                           refresh_health=True)
+    REQUEST_METRICS.configure(run_dir)
     return build_app(Service(config, client, tokenizer, run_dir, template))
 
 
@@ -185,16 +188,23 @@ def build_app(service: Service) -> Flask:
         g.request_id = uuid.uuid4().hex  # ours: what the engine and the logs key on
         g.client_request_id = request.headers.get("X-Request-Id")
         g.log_id = g.request_id if not g.client_request_id else f"{g.request_id} client-id={g.client_request_id!r}"
+        g.counted = request.path not in UNCOUNTED_PATHS
+        if g.counted:
+            REQUEST_METRICS.request_started()
 
     @app.after_request
     def _tag(resp: Response):
         resp.headers["X-Request-Id"] = g.get("client_request_id") or g.get("request_id", "")
+        if g.get("counted"):  # counted when the response is closed: a stream at its end
+            route, status = request.url_rule.rule if request.url_rule else "unmatched", resp.status_code
+            resp.call_on_close(lambda: REQUEST_METRICS.request_ended(route, status))
         return resp
 
     @app.errorhandler(HttpError)
     def _http_error(err: HttpError):
         log.info("[%s] %d %s", g.get("log_id"), err.code, err.message)
-        return err.response(openai=request.path.startswith("/v1/"))
+        return err.response(openai=request.path.startswith("/v1/"), tgi=request.path in TGI_PATHS or (
+            request.path == "/invocations" and service.config.server.tgi_compat))
 
     @app.errorhandler(HTTPException)
     def _werkzeug_error(err: HTTPException):
@@ -236,7 +246,7 @@ def build_app(service: Service) -> Flask:
         reply = service.client.health(PING_TIMEOUT_S)
         if reply is None:
             raise HttpError(503, "the engine is not responding")
-        return Response(render_metrics(reply, service.config.scheduler.engine_kind),
+        return Response(render_metrics(reply, service.config.scheduler.engine_kind, REQUEST_METRICS.families),
                         mimetype="text/plain; version=0.0.4")
 
     @app.post("/invocations")
@@ -245,6 +255,8 @@ def build_app(service: Service) -> Flask:
         body = _parse(read_body(request.environ, request.content_length, max_body), request.content_type, parse_body)
         if isinstance(body, dict) and "messages" in body:
             return djl_chat(run_openai, render_chat, service, body)
+        if service.config.server.tgi_compat:
+            return tgi_compat(body)
         req = _parse(body, None, lambda b, _: parse_request(
             b, limits=service.limits, default_max_new_tokens=service.config.server.default_max_new_tokens))
         if req.ignored_parameters:
@@ -283,7 +295,8 @@ def build_app(service: Service) -> Flask:
 
     run_openai, render_chat = register_openai(
         app, service, lambda: read_body(request.environ, request.content_length, max_body), _json)
-    register_tgi(app, service, lambda: read_body(request.environ, request.content_length, max_body), _json)
+    tgi_compat = register_tgi(app, service, lambda: read_body(request.environ, request.content_length, max_body),
+                              _json)
 
     def _stream(gen: Generation, req: GenerationRequest, deadline: float, is_gone) -> Response:
         """The status line waits for the first token: a request refused before it gets its real status."""

@@ -21,6 +21,7 @@ from typing import Callable, Iterator
 from engines.protocol import FINISH_STOP, Add, Output
 from handlers.engine_client import EngineClient
 from handlers.errors import HttpError
+from handlers.request_metrics import REQUEST_METRICS
 from handlers.schemas import GenerationRequest
 from handlers.tokenizer import IncrementalDetokenizer, TextTokenizer
 
@@ -87,7 +88,8 @@ class Generation:
         self.num_generated_tokens = 0
         self.batch_id: int | None = None
         self._closed = False
-        self._checked_at = time.monotonic()
+        self._checked_at = self.started = time.monotonic()
+        self.first_token_at: float | None = None
         self._queue = client.add(Add(request_id, prompt_ids, req.sampling))
 
     @property
@@ -112,6 +114,8 @@ class Generation:
         if self.finish_reason is None:  # the client went away, or another input failed
             self.client.abort(self.request_id)
         self.client.release(self.request_id)
+        REQUEST_METRICS.generation_ended(self.started, self.first_token_at, time.monotonic(), self.num_prompt_tokens,
+                                         self.num_generated_tokens, self.finish_reason)
 
     def _next(self, deadline: float, is_gone: Callable[[], bool]) -> Output:
         while True:
@@ -150,6 +154,8 @@ class Generation:
                 token["top_tokens"] = [{"id": t, "text": self._tokenizer.decode([t]), "log_prob": finite_or_none(lp)}
                                        for t, lp in out.top_tokens[i]]
             self.text_parts.append(text)
+            if not self.num_generated_tokens:
+                self.first_token_at = time.monotonic()
             self.num_generated_tokens += 1
             if stopped:
                 self.finish_reason = FINISH_STOP

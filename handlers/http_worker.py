@@ -12,6 +12,7 @@ Built on gunicorn 27's gthread internals (`enqueue_req`, `pending_conns`); pypro
 
 from __future__ import annotations
 
+import logging
 import selectors
 import socket
 import time
@@ -67,3 +68,25 @@ class HealthFirstWorker(ThreadWorker):
     def handle_quit(self, sig, frame):
         self.health_pool.shutdown(wait=False)
         super().handle_quit(sig, frame)
+
+
+class QuietPings(logging.Filter):
+    """Access-log filter of each worker: a /ping or /health line is logged when its status differs
+    from that route's previous one (ready, then unhealthy, ...), and otherwise only when the access
+    logger is at DEBUG. Other requests pass."""
+
+    ROUTES = ("/ping", "/health")
+
+    def __init__(self):
+        super().__init__()
+        self._last: dict[str, str] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        atoms = record.args if isinstance(record.args, dict) else {}
+        path = atoms.get("U")
+        if path not in self.ROUTES:
+            return True
+        status = str(atoms.get("s"))
+        changed = self._last.get(path) != status
+        self._last[path] = status
+        return changed or logging.getLogger(record.name).isEnabledFor(logging.DEBUG)

@@ -47,7 +47,18 @@ class _EngineCollector:
                 yield family(name, doc, value=value)
 
 
-def render(reply: HealthReply, engine_kind: str) -> bytes:
+class _Families:
+    def __init__(self, families):
+        self.families = families
+
+    def collect(self):
+        yield from self.families()
+
+
+def render(reply: HealthReply, engine_kind: str, request_families=None) -> bytes:
+    """The engine's metrics, then (when given) the HTTP workers' request metrics."""
     registry = CollectorRegistry()
     registry.register(_EngineCollector(reply, engine_kind))
+    if request_families is not None:
+        registry.register(_Families(request_families))
     return generate_latest(registry)

@@ -1,4 +1,6 @@
-"""TGI-compatible routes: `POST /generate`, `POST /generate_stream` (SSE), `GET /info`.
+"""TGI-compatible routes: `POST /generate`, `POST /generate_stream` (SSE), `POST /` (TGI's compat
+route, which the `text-generation` client calls: `"stream"` picks the stream, else the answer is a
+one-element array), `GET /info`; with `option.tgi_compat=true`, `/invocations` answers as `POST /`.
 
 The request is TGI's `{"inputs", "parameters"}`, which is the LMI schema, so it goes through the
 same parser (TGI's `stop`, `details`, `top_n_tokens`, ... included; `best_of`, `typical_p`,
@@ -20,6 +22,8 @@ from handlers.generation import ClientGone, Generation, client_gone
 from handlers.schemas import GenerationRequest, parse_body, parse_request
 
 log = logging.getLogger("handlers.tgi")
+
+TGI_PATHS = ("/generate", "/generate_stream", "/")  # errors there carry TGI's error_type
 
 
 def tgi_token(token: dict, special_ids: frozenset[int]) -> dict:
@@ -52,7 +56,27 @@ def register(app: Flask, service, read_body: Callable[[], bytes], to_json):
 
     @app.post("/generate")
     def generate():
-        req = _request(stream=False)
+        return _generate(_request(stream=False))
+
+    @app.post("/generate_stream")
+    def generate_stream():
+        return _generate_stream(_request(stream=True))
+
+    @app.post("/")
+    def compat():
+        return compat_generate(parse_body(read_body(), "application/json"))
+
+    def compat_generate(body) -> Response:
+        """TGI's `POST /`: a stream when the body says `"stream": true`, else `[generate's body]`."""
+        req = _request(stream=False, body=body)
+        if req.stream:
+            return _generate_stream(req)
+        resp = _generate(req)
+        if resp.status_code == 200:
+            resp.set_data(b"[" + resp.get_data() + b"]")
+        return resp
+
+    def _generate(req: GenerationRequest) -> Response:
         gen, deadline, is_gone = _launch(req)
         try:
             tokens = collect(gen, deadline, is_gone)
@@ -66,9 +90,7 @@ def register(app: Flask, service, read_body: Callable[[], bytes], to_json):
             body["details"] = tgi_details(gen, tokens, special)
         return to_json(body, 200)
 
-    @app.post("/generate_stream")
-    def generate_stream():
-        req = _request(stream=True)
+    def _generate_stream(req: GenerationRequest) -> Response:
         gen, deadline, is_gone = _launch(req)
         events = _events(gen, req, deadline, is_gone)
         try:
@@ -77,11 +99,12 @@ def register(app: Flask, service, read_body: Callable[[], bytes], to_json):
             return Response(status=499)
         return Response(_chain(first, events), mimetype=SSE)
 
-    def _request(stream: bool) -> GenerationRequest:
+    def _request(stream: bool, body=None) -> GenerationRequest:
         if service.is_dynamic:
             raise bad_request("the TGI routes need a rolling-batch engine; this server runs dynamic batching: "
                               "use /invocations")
-        body = parse_body(read_body(), "application/json")
+        if body is None:
+            body = parse_body(read_body(), "application/json")
         req = parse_request(body, limits=service.limits,
                             default_max_new_tokens=service.config.server.default_max_new_tokens)
         if req.is_list:
@@ -115,6 +138,8 @@ def register(app: Flask, service, read_body: Callable[[], bytes], to_json):
         except ClientGone:
             if not started:
                 raise
+
+    return compat_generate
 
 
 def _chain(first: bytes, rest):

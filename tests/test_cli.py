@@ -48,6 +48,31 @@ def test_lmi_config_shows_sources(tmp_path, tiny_model):
     assert lines["max_batch_delay"].endswith("[default]")
 
 
+def test_a_vllm_yaml_config_works_beside_serving_properties(tmp_path, tiny_model):
+    """`lmi serve|config --config FILE.yaml` as `vllm serve --config`: vLLM's spellings, dashes or
+    underscores, mapped through the same aliases, shown with their provenance."""
+    props = tmp_path / "serving.properties"
+    props.write_text("engine=Python\noption.dtype=fp32\n")
+    cfg = tmp_path / "vllm.yaml"
+    cfg.write_text("max-num-seqs: 12\nmax_num_batched_tokens: 256\nenable-prefix-caching: true\n"
+                   "tensor-parallel-size: 1\nmax-model-len: 512\n")
+    result = lmi("config", "--properties", str(props), "--config", str(cfg), "--model-dir", str(tiny_model))
+    assert result.returncode == 0, result.stderr
+    lines = {line.split("=")[0].strip(): line for line in result.stdout.splitlines() if "=" in line}
+    assert "12" in lines["option.max_rolling_batch_size"] and "option.max_num_seqs" in lines["option.max_rolling_batch_size"]
+    assert "256" in lines["option.max_rolling_batch_prefill_tokens"]
+    assert "True" in lines["option.enable_prefix_caching"] or "true" in lines["option.enable_prefix_caching"]
+    assert "512" in lines["option.max_model_len"] and lines["option.dtype"].endswith("[file]")
+    # the same key in both with different values: one clear line
+    cfg.write_text("dtype: bf16\n")
+    result = lmi("config", "--properties", str(props), "--config", str(cfg), "--model-dir", str(tiny_model))
+    assert result.returncode != 0
+    assert "option.dtype is set in serving.properties (option.dtype='fp32') and in" in result.stderr
+    cfg.write_text("- a list\n")
+    result = lmi("config", "--config", str(cfg), "--model-dir", str(tiny_model))
+    assert result.returncode != 0 and "a vLLM config is a mapping of engine arguments" in result.stderr
+
+
 def test_misspelt_key_warns_with_the_closest_key(tmp_path, tiny_model):
     props = tmp_path / "serving.properties"
     props.write_text("option.rolling_bach=auto\n")

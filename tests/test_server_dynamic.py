@@ -13,6 +13,7 @@ import pytest
 import requests
 
 from container.model_maker import corpus_lines
+from engines.config import ServerConfig
 from tests.support import Server, ids_of, running_server, wait_for
 
 MAX_REQUEST_SIZE = 100_000
@@ -201,3 +202,14 @@ def test_openai_generation_routes_are_a_clear_400_with_dynamic_batching(server, 
 def test_presence_penalty_is_a_400_with_dynamic_batching(server):
     resp = server.post({"inputs": "hi", "parameters": {"presence_penalty": 0.5}})
     assert resp.status_code == 400 and "need a rolling-batch engine" in resp.json()["error"]
+
+
+def test_ping_is_logged_only_when_its_answer_changes(server):
+    """A health check every few seconds must not flood the log (issue: every /ping at INFO)."""
+    for _ in range(6):
+        assert requests.get(server.url + "/ping", timeout=5).status_code == 200
+    resp = server.post({"inputs": "hi", "parameters": {"max_new_tokens": 2}}, headers={"X-Request-Id": "after-pings"})
+    assert resp.status_code == 200
+    wait_for(lambda: "rid=after-pings" in server.log(), 10, "the access log line of the request after the pings")
+    ok_lines = [line for line in server.log().splitlines() if '"GET /ping HTTP/1.1" 200' in line]
+    assert 1 <= len(ok_lines) <= ServerConfig().http_workers, ok_lines  # the first 200 of each worker, no more

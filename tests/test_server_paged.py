@@ -11,6 +11,7 @@ import pytest
 import requests
 
 from container.model_maker import corpus_lines
+from handlers.tokenizer import TextTokenizer
 from tests.support import ids_of, running_server, wait_idle
 
 BLOCK = 16
@@ -107,3 +108,43 @@ def test_a_stream_refused_before_its_first_token_gets_its_real_status(server):
     assert resp.status_code == 507, resp.text
     assert resp.headers["Content-Type"] == "application/json"
     assert resp.json()["code"] == 507 and "cannot be served" in resp.json()["error"]
+
+
+def _scrape(server) -> dict[str, float]:
+    """Every sample of /metrics: name{labels} → value."""
+    text = requests.get(server.url + "/metrics", timeout=5).text
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^([a-z0-9_:]+(?:\{[^}]*\})?) ([0-9.e+-]+)$", text, re.M)}
+
+
+def test_request_metrics_count_every_workers_requests_with_vllm_names(server, tiny_model):
+    """TTFT / TPOT / latency histograms, token counters and requests by route and status, summed over
+    both HTTP workers (whichever one answers the scrape)."""
+    before = _scrape(server)
+    prompts = [PROMPTS[i] for i in range(6)]
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        bodies = list(pool.map(lambda p: server.post({"inputs": p, "parameters": {"max_new_tokens": 4,
+                                                                                  "details": True}}), prompts))
+    assert all(b.status_code == 200 for b in bodies)
+    assert server.post({"inputs": "x", "parameters": {"max_new_tokens": 0}}).status_code == 400
+
+    def delta(key):
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    # the other worker may still be writing its file: wait for the totals to settle
+    deadline = time.monotonic() + 10
+    while True:
+        after = _scrape(server)
+        if delta('lmi_http_requests_total{route="/invocations",status="200"}') >= 6 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert delta('lmi_http_requests_total{route="/invocations",status="200"}') == 6
+    assert delta('lmi_http_requests_total{route="/invocations",status="400"}') == 1
+    for name in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
+                 "vllm:time_per_output_token_seconds"):
+        assert delta(f"{name}_count") == 6, name
+        assert delta(f'{name}_bucket{{le="+Inf"}}') == 6 and delta(f"{name}_sum") > 0
+    assert delta("vllm:generation_tokens_total") == 24
+    assert delta('vllm:request_success_total{finished_reason="length"}') == 6
+    tokenizer = TextTokenizer(str(tiny_model))
+    assert delta("vllm:prompt_tokens_total") == sum(len(tokenizer.encode(p)) for p in prompts)
+    assert after["lmi_http_requests_in_flight"] == 0

@@ -1,5 +1,6 @@
-"""TGI's routes on a rolling engine, checked as raw HTTP against TGI's exact shapes (the
-`text-generation` client pins huggingface-hub<1.0, which this project's transformers cannot use)."""
+"""TGI's routes on a rolling engine: as raw HTTP against TGI's exact shapes, and through TGI's own
+`text-generation` client (installed with --no-deps by the test command: it pins huggingface-hub<1.0,
+which this project's transformers cannot use; the client itself runs with the newer one)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import json
 
 import pytest
 import requests
+
+from text_generation import Client
+from text_generation.errors import ValidationError
 
 from tests.support import ids_of, running_server
 
@@ -57,3 +61,49 @@ def test_info(server):
 def test_tgi_parameters_we_lack_are_a_400(server, name, value):
     resp = server.post({"inputs": PROMPT, "parameters": {name: value}}, path="/generate")
     assert resp.status_code == 400 and resp.json()["error"].startswith(f"\"parameters.{name}\" is not supported")
+    assert resp.json()["error_type"] == "validation"  # TGI's error shape
+
+
+def test_the_text_generation_client_generates_with_details(server, hf):
+    expected = hf(PROMPT, 6)
+    resp = Client(server.url, timeout=60).generate(PROMPT, max_new_tokens=6)
+    assert resp.generated_text == hf.decode(expected)
+    assert [t.id for t in resp.details.tokens] == expected
+    assert resp.details.finish_reason == "length" and resp.details.generated_tokens == 6
+    assert all(t.logprob is not None and t.logprob <= 0 for t in resp.details.tokens)
+
+
+def test_the_text_generation_client_streams(server, hf):
+    expected = hf(PROMPT, 5)
+    events = list(Client(server.url, timeout=60).generate_stream(PROMPT, max_new_tokens=5))
+    assert [e.token.id for e in events] == expected
+    assert [e.generated_text for e in events[:-1]] == [None] * 4 and events[-1].generated_text == hf.decode(expected)
+    assert events[-1].details.generated_tokens == 5
+
+
+def test_the_text_generation_client_gets_a_clear_error_for_what_we_lack(server):
+    with pytest.raises(ValidationError, match="decoder_input_details"):
+        Client(server.url, timeout=60).generate(PROMPT, max_new_tokens=2, decoder_input_details=True)
+
+
+def test_post_slash_is_tgi_compat_generate(server, hf):
+    body = server.post({"inputs": PROMPT, "parameters": {"max_new_tokens": 3}}, path="/").json()
+    assert body == [{"generated_text": hf.decode(hf(PROMPT, 3))}]
+
+
+@pytest.fixture(scope="module")
+def tgi_compat(tiny_model, tmp_path_factory):
+    yield from running_server(tmp_path_factory.mktemp("tgi-compat"), PROPERTIES + "option.tgi_compat=true\n",
+                              tiny_model)
+
+
+def test_tgi_compat_makes_invocations_answer_as_tgi(tgi_compat, hf):
+    """DJL's option.tgi_compat: /invocations takes TGI's requests and answers in TGI's shapes, so the
+    text-generation client works against a SageMaker endpoint's route."""
+    expected = hf(PROMPT, 4)
+    client = Client(tgi_compat.url + "/invocations", timeout=60)
+    resp = client.generate(PROMPT, max_new_tokens=4)
+    assert resp.generated_text == hf.decode(expected) and [t.id for t in resp.details.tokens] == expected
+    assert [e.token.id for e in client.generate_stream(PROMPT, max_new_tokens=4)] == expected
+    raw = tgi_compat.post({"inputs": PROMPT, "parameters": {"max_new_tokens": 2}})
+    assert raw.status_code == 200 and raw.json() == [{"generated_text": hf.decode(expected[:2])}]

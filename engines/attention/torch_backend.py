@@ -3,10 +3,9 @@
     k_cache[layer]: [kv_heads, num_blocks, block_size, head_dim]     (heads first, then blocks)
     slot s = block_id * block_size + offset      (a token's place in the flattened cache)
 
-This step's K/V are written by slot (`store_kv`, a custom op so that a compiled step updates the
-cache in place). Decodes (one query each) attend together in one batched call: one index_select
-per layer gathers whole blocks of every decode's block table, already shaped [kv_heads, B, S, D]
-for the batched matmuls. Gathering blocks instead of slots moves the same bytes as block_size
+This step's K/V are written by slot (`store_kv`). Decodes (one query each) attend together in one
+batched call: one index_select per layer gathers whole blocks of every decode's block table,
+already shaped [kv_heads, B, S, D] for the batched matmuls. Gathering blocks instead of slots moves the same bytes as block_size
 times fewer, longer rows (a 16-token block of 64-dim bf16 heads is one 2 KiB copy, not sixteen
 128-byte ones). Each prefill chunk attends on its own, causally within the chunk and to the
 context before it, with SDPA. One block past the cache's end is scratch: padding tokens write
@@ -23,18 +22,12 @@ from torch import nn
 from engines.attention.base import AttentionBackend, SeqSlice, bucket
 
 
-@torch.library.custom_op("lmi::store_kv", mutates_args=("k_cache", "v_cache"))
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """k/v: [N, Hkv, D] → caches [Hkv, num_blocks, block_size, D] at the N slots."""
     heads, dim = k_cache.shape[0], k_cache.shape[-1]
     k_cache.view(heads, -1, dim).index_copy_(1, slot_mapping, k.transpose(0, 1))
     v_cache.view(heads, -1, dim).index_copy_(1, slot_mapping, v.transpose(0, 1))
-
-
-@store_kv.register_fake
-def _(k, v, k_cache, v_cache, slot_mapping) -> None:
-    return None
 
 
 class TorchMetadata(NamedTuple):
@@ -92,7 +85,7 @@ class TorchPagedBackend(AttentionBackend):
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: TorchMetadata):
         k_cache, v_cache = self.keys[layer], self.values[layer]
-        torch.ops.lmi.store_kv(k[0], v[0], k_cache, v_cache, meta.slot_mapping)
+        store_kv(k[0], v[0], k_cache, v_cache, meta.slot_mapping)
         q = q[0]  # [N, Hq, D]
         if meta.decode_rows is None:  # decodes only: the compiled shape
             return decode_attention(q, k_cache, v_cache, meta.block_table, meta.context_lens).unsqueeze(0)
