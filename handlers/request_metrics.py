@@ -11,9 +11,10 @@ Named as vLLM names them where vLLM has the metric (dashboards built for vLLM wo
     lmi_http_requests_total              counter    by route and status
     lmi_http_requests_in_flight          gauge      HTTP requests being served now
 
-Each gunicorn worker counts its own requests and, after each one, writes its totals to
-`<run dir>/request-metrics/<pid>.json` (atomically); `/metrics` sums every worker's file, so any
-worker answers for all. A worker that exited keeps its file: its counts stay in the totals
+Each gunicorn worker counts its own requests; a thread of its own writes its totals to
+`<run dir>/request-metrics/<pid>.json` (atomically) within FLUSH_S of a change, never in a request's
+path; `/metrics` writes its own worker's first and sums every worker's file, so any worker answers
+for all (another worker's last FLUSH_S may be missing). A worker that exited keeps its file: its counts stay in the totals
 (counters never go down), its in-flight gauge does not.
 """
 
@@ -22,10 +23,13 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from engines.protocol import write_atomically
+
+FLUSH_S = 0.25
 
 # vLLM's bucket bounds (seconds)
 BUCKETS = {
@@ -51,22 +55,31 @@ class RequestMetrics:
         self._write_lock = threading.Lock()  # one writer of this worker's file at a time
         self._data = _empty()
         self._dir: str | None = None
+        self._dirty = threading.Event()
 
     def configure(self, run_dir: str) -> None:
         self._dir = os.path.join(run_dir, "request-metrics")
         os.makedirs(self._dir, exist_ok=True)
+        threading.Thread(target=self._flush_loop, name="request-metrics", daemon=True).start()
+
+    def _flush_loop(self) -> None:
+        while self._dirty.wait():
+            time.sleep(FLUSH_S)  # gather a burst of requests into one write
+            self._dirty.clear()
+            self._write()
 
     # -- counting (any request thread) --------------------------------------------------------------
     def request_started(self) -> None:
         with self._lock:
             self._data["in_flight"] += 1
+        self._dirty.set()
 
     def request_ended(self, route: str, status: int) -> None:
         with self._lock:
             self._data["in_flight"] -= 1
             key = f"{route} {status}"
             self._data["http"][key] = self._data["http"].get(key, 0) + 1
-        self._write()
+        self._dirty.set()
 
     def generation_ended(self, started: float, first_token: float | None, ended: float, num_prompt_tokens: int,
                          num_generated_tokens: int, finish_reason: str | None) -> None:
@@ -81,6 +94,7 @@ class RequestMetrics:
                 self._observe("ttft", first_token - started)
                 if num_generated_tokens > 1:
                     self._observe("tpot", (ended - first_token) / (num_generated_tokens - 1))
+        self._dirty.set()
 
     def _observe(self, name: str, value: float) -> None:
         h = self._data["hist"][name]

@@ -4,11 +4,11 @@ The runner keeps its own copy of what it needs per request (token ids, block tab
 count), updated from the plan's diffs, so that the same plan can drive ranks that have no
 scheduler (tensor parallelism).
 
-Static shapes: a step's token count is padded up to one of a few buckets (TOKEN_BUCKETS), and
-every bucket runs once before the engine is ready. A padding token is a one-token sequence on a
+Static shapes: a step's token count is padded up to one of a few buckets (token_buckets), and
+every decode bucket runs once before the engine is ready. Padding tokens write their K/V to a
 scratch block that no request owns. Each new matrix shape costs the CPU's oneDNN kernels a new
 primitive (~0.4 MiB each, cached up to 1024): with free token counts the engine's memory crept up
-by tens of MiB under load as new counts appeared; with buckets the shapes are all made at start.
+by tens of MiB under load as new counts appeared; with buckets there are a few dozen shapes.
 """
 
 from __future__ import annotations
@@ -63,12 +63,13 @@ class PagedRunner:
 
     @torch.inference_mode()
     def warm_up_buckets(self) -> None:
-        """Every shape a step can meet, before serving: a forward of padding at every step size
-        (with logits for each number of sampled rows) and the backend's attention shapes."""
+        """The shapes of every decode step, before serving: a forward of padding at each step size up
+        to max_num_seqs (with logits for as many sampled rows) and the backend's attention shapes.
+        The few larger step sizes (prefill chunks) are made on first use: running them all up front
+        costs a forward of thousands of tokens, minutes for a 1 B model on a CPU."""
         decode = self.backend.decode_buckets
-        for size in sorted(set(self.buckets) | set(decode)):
-            rows = bucket(decode, size) if size <= decode[-1] else 1
-            self._forward([], [0] * size, [0] * size, list(range(min(rows, size))), size, pad=False)
+        for size in sorted({b for b in self.buckets if b <= decode[-1]} | set(decode)):
+            self._forward([], [0] * size, [0] * size, list(range(size)), size, pad=False)
         self.backend.warm_up(self.runner.model.num_heads)
 
     def warm_up(self, num_tokens: int) -> int:
