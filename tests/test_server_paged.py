@@ -11,6 +11,7 @@ import pytest
 import requests
 
 from container.model_maker import corpus_lines
+from handlers.request_metrics import FLUSH_S
 from handlers.tokenizer import TextTokenizer
 from tests.support import ids_of, running_server, wait_idle
 
@@ -116,10 +117,24 @@ def _scrape(server) -> dict[str, float]:
     return {m.group(1): float(m.group(2)) for m in re.finditer(r"^([a-z0-9_:]+(?:\{[^}]*\})?) ([0-9.e+-]+)$", text, re.M)}
 
 
+def _settled_scrape(server) -> dict[str, float]:
+    """A scrape once every worker has flushed: nothing in flight and the same totals twice, more than
+    a flush period (FLUSH_S) apart."""
+    deadline = time.monotonic() + 15
+    last = _scrape(server)
+    while time.monotonic() < deadline:
+        time.sleep(2 * FLUSH_S + 0.1)
+        now = _scrape(server)
+        if now == last and now.get("lmi_http_requests_in_flight") == 0:
+            return now
+        last = now
+    raise AssertionError(f"the request metrics did not settle: {last}")
+
+
 def test_request_metrics_count_every_workers_requests_with_vllm_names(server, tiny_model):
     """TTFT / TPOT / latency histograms, token counters and requests by route and status, summed over
     both HTTP workers (whichever one answers the scrape)."""
-    before = _scrape(server)
+    before = _settled_scrape(server)  # earlier tests' requests may still be on their way to the files
     prompts = [PROMPTS[i] for i in range(6)]
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         bodies = list(pool.map(lambda p: server.post({"inputs": p, "parameters": {"max_new_tokens": 4,
@@ -130,13 +145,7 @@ def test_request_metrics_count_every_workers_requests_with_vllm_names(server, ti
     def delta(key):
         return after.get(key, 0.0) - before.get(key, 0.0)
 
-    # the other worker may still be writing its file: wait for the totals to settle
-    deadline = time.monotonic() + 10
-    while True:
-        after = _scrape(server)
-        if delta('lmi_http_requests_total{route="/invocations",status="200"}') >= 6 or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
+    after = _settled_scrape(server)
     assert delta('lmi_http_requests_total{route="/invocations",status="200"}') == 6
     assert delta('lmi_http_requests_total{route="/invocations",status="400"}') == 1
     for name in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
