@@ -69,7 +69,7 @@ class PagedRunner:
         costs a forward of thousands of tokens, minutes for a 1 B model on a CPU."""
         decode = self.backend.decode_buckets
         for size in sorted({b for b in self.buckets if b <= decode[-1]} | set(decode)):
-            self._forward([], [0] * size, [0] * size, list(range(size)), size, pad=False)
+            self._forward([], [], [], list(range(size)), size)
         self.backend.warm_up(self.runner.model.num_heads)
 
     def warm_up(self, num_tokens: int) -> int:
@@ -128,12 +128,11 @@ class PagedRunner:
         return StepResult(sampling_ids, self.sampler.sample(logits, sampling_ids))
 
     def _forward(self, seqs: list[SeqSlice], ids: list[int], positions: list[int], logits_index: list[int],
-                 size: int, pad: bool = True) -> torch.Tensor:
+                 size: int) -> torch.Tensor:
         """The model over `ids` padded to `size` tokens → logits of the `logits_index` tokens (their
         count padded to a decode bucket too: the LM head's shapes are static as well)."""
-        if pad:
-            ids = ids + [0] * (size - len(ids))
-            positions = positions + [0] * (size - len(positions))
+        ids = ids + [0] * (size - len(ids))
+        positions = positions + [0] * (size - len(positions))
         n = len(logits_index)
         rows = bucket(self.backend.decode_buckets, n)
         device = self.runner.device
