@@ -53,7 +53,9 @@ def checkpoint_bytes(model_dir: str) -> int:
 
 
 # -- one measurement, in its own process ---------------------------------------------------------
-def measure_one(method: str, model_dir: str, cache_dir: str) -> dict:
+def measure_one(method: str, model_dir: str, cache_dir: str, device: str = "cpu") -> dict:
+    """One load; on CUDA (`--device cuda`) the weights end on the GPU: the cache goes through pinned
+    staging buffers, from_pretrained is moved with .to()."""
     import torch
 
     if method.startswith("floor"):  # the checkpoint's bytes in large reads: the disk's own speed
@@ -82,7 +84,7 @@ def measure_one(method: str, model_dir: str, cache_dir: str) -> dict:
         from transformers import AutoModelForCausalLM
 
         started = time.perf_counter()
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(device)
     else:
         from transformers import AutoConfig
 
@@ -93,22 +95,24 @@ def measure_one(method: str, model_dir: str, cache_dir: str) -> dict:
         hf = AutoConfig.from_pretrained(model_dir)
         cls = model_class(hf.architectures[0])
         started = time.perf_counter()
-        model = build_model(cls, hf, SingleProcess(), torch.bfloat16, torch.device("cpu"), hf.max_position_embeddings,
+        model = build_model(cls, hf, SingleProcess(), torch.bfloat16, torch.device(device), hf.max_position_embeddings,
                             progress=False, load_cache_dir=cache_dir if method == "cache" else None)
     # every page of every weight in memory: from_pretrained memory-maps the file, so until a page
     # is touched it has not been read (ours read everything already: this costs them ~nothing)
     for p in model.parameters():
         p.data.view(-1).view(torch.uint8)[::4096].sum()
+    if device != "cpu":
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - started
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     return {"seconds": seconds, "bytes": nbytes}
 
 
-def run_one(method: str, model_dir: str, cache_dir: str, drop: bool = True) -> dict:
+def run_one(method: str, model_dir: str, cache_dir: str, drop: bool = True, device: str = "cpu") -> dict:
     if drop:
         drop_page_cache(files_under(model_dir, cache_dir))
     out = subprocess.run([sys.executable, "-m", "benchmarks.load", "--one", method, "--model-dir", model_dir,
-                          "--cache-dir", cache_dir], capture_output=True, text=True, check=True)
+                          "--cache-dir", cache_dir, "--device", device], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -143,20 +147,21 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--cold-start-rounds", type=int, default=3)
     p.add_argument("--out", default="benchmarks/results/load.json")
+    p.add_argument("--device", default="cpu", help="where the weights end: cpu, or cuda (pinned staging)")
     p.add_argument("--one", choices=METHODS, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.one:
-        print(json.dumps(measure_one(args.one, args.model_dir, args.cache_dir)))
+        print(json.dumps(measure_one(args.one, args.model_dir, args.cache_dir, args.device)))
         return 0
 
     cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="lmi-load-cache-")
     size = checkpoint_bytes(args.model_dir)
     print(f"checkpoint: {size / 1e9:.2f} GB in {args.model_dir}; load cache in {cache_dir}")
-    run_one("cache", args.model_dir, cache_dir)  # writes the cache (not measured)
+    run_one("cache", args.model_dir, cache_dir, device=args.device)  # writes the cache (not measured)
     runs: dict[str, list[dict]] = {m: [] for m in METHODS}
     for r in range(args.rounds):
         for method in METHODS:
-            runs[method].append(run_one(method, args.model_dir, cache_dir))
+            runs[method].append(run_one(method, args.model_dir, cache_dir, device=args.device))
             print(f"  round {r + 1} {method:<16} {runs[method][-1]['seconds']:7.2f} s", flush=True)
     run_one("floor_1_stream", args.model_dir, "", drop=False)
     warm = run_one("floor_1_stream", args.model_dir, "", drop=False)  # a check that dropping works: cached pages

@@ -69,8 +69,9 @@ def test_a_corrupted_cache_is_detected_and_rebuilt(model_copy, tmp_path, caplog)
         f.write(bytes([byte[0] ^ 0xFF]))
     caplog.set_level(logging.INFO)
     rebuilt = load(model_copy, tmp_path / "cache")
-    assert f"load cache {bin_path}: corrupt: CRC-32 mismatch in norm.weight; loading the safetensors files " \
-           "and rebuilding it" in messages(caplog)
+    size = json.loads(open(index_path).read())["file_bytes"]  # the tiny model's file is one 16 MiB piece
+    assert any(m.startswith(f"load cache {bin_path}: corrupt: CRC-32 mismatch in bytes 0-{size} (")
+               and m.endswith("…); loading the safetensors files and rebuilding it") for m in messages(caplog))
     assert same_weights(rebuilt, reference)
     caplog.clear()
     again = load(model_copy, tmp_path / "cache")  # the rebuilt cache is whole again
@@ -110,3 +111,72 @@ def test_a_server_restarted_with_a_load_cache_reads_it(tiny_model, tmp_path, sta
     assert "from the load cache" in second.log()
     body = second.post({"inputs": "The river ran", "parameters": {"max_new_tokens": 12, "details": True}}).json()
     assert [t["id"] for t in body["details"]["tokens"]] == hf("The river ran", 12)
+
+
+def test_pieces_are_checked_one_by_one_and_a_bad_piece_names_its_tensors(model_copy, tmp_path, caplog, monkeypatch):
+    from engines import load_cache
+
+    monkeypatch.setattr(load_cache, "CHUNK", 64 << 10)  # the tiny model's 0.8 MB file in 13 pieces
+    reference = load(model_copy, tmp_path / "cache")
+    bin_path, index_path = cache_paths(str(tmp_path / "cache"), str(model_copy), torch.float32, 0, 1)
+    index = json.loads(open(index_path).read())
+    assert index["chunk_bytes"] == 64 << 10 and len(index["chunk_crc32"]) == -(-index["file_bytes"] // (64 << 10))
+    caplog.set_level(logging.INFO)
+    whole = load(model_copy, tmp_path / "cache")
+    assert any(f"from the load cache {bin_path}" in m for m in messages(caplog)) and same_weights(whole, reference)
+    offset = index["tensors"]["norm.weight"]["offset"]
+    with open(bin_path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x01]))
+    caplog.clear()
+    rebuilt = load(model_copy, tmp_path / "cache")
+    start = offset // (64 << 10) * (64 << 10)
+    [line] = [m for m in messages(caplog) if "corrupt" in m]
+    assert line.startswith(f"load cache {bin_path}: corrupt: CRC-32 mismatch in bytes {start}-{start + (64 << 10)} (")
+    assert "norm.weight" in line and same_weights(rebuilt, reference)
+
+
+def test_weights_are_copy_on_write_views_of_the_cache_file(model_copy, tmp_path):
+    load(model_copy, tmp_path / "cache")
+    bin_path, _ = cache_paths(str(tmp_path / "cache"), str(model_copy), torch.float32, 0, 1)
+    before = open(bin_path, "rb").read()
+    runner = load(model_copy, tmp_path / "cache")
+    for p in runner.model.parameters():
+        p.data.add_(1.0)  # a write to a weight stays in this process
+    del runner
+    assert open(bin_path, "rb").read() == before
+
+
+def test_a_cache_in_the_previous_format_is_rebuilt(model_copy, tmp_path, caplog):
+    reference = load(model_copy, tmp_path / "cache")
+    _, index_path = cache_paths(str(tmp_path / "cache"), str(model_copy), torch.float32, 0, 1)
+    index = json.loads(open(index_path).read())
+    del index["format"]
+    open(index_path, "w").write(json.dumps(index))
+    caplog.set_level(logging.INFO)
+    rebuilt = load(model_copy, tmp_path / "cache")
+    assert any("written in format 1, this version reads 2; loading the safetensors files" in m
+               for m in messages(caplog))
+    assert same_weights(rebuilt, reference)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_cache_loads_to_cuda_through_pinned_staging_buffers(model_copy, tmp_path, monkeypatch):
+    import copy
+
+    from engines import load_cache
+
+    monkeypatch.setattr(load_cache, "STAGING_BYTES", 4096)  # many round trips through both buffers
+    reference = load(model_copy, tmp_path / "cache")
+    bin_path, index_path = cache_paths(str(tmp_path / "cache"), str(model_copy), torch.float32, 0, 1)
+    model = copy.deepcopy(reference.model).to("cuda")
+    for p in model.parameters():
+        p.data.zero_()
+    source = json.loads(open(index_path).read())["source"]
+    assert load_cache.load(model, bin_path, index_path, source) == json.loads(open(index_path).read())["file_bytes"]
+    ref = dict(reference.model.named_parameters())
+    for name, p in model.named_parameters():
+        assert p.device.type == "cuda" and torch.equal(p.cpu(), ref[name]), name
