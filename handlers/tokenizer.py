@@ -7,6 +7,7 @@ import json
 import os
 
 from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 # The BPE model caches the merges of each word it has seen, up to 10,000 words by default (~4 MiB:
 # a worker's RSS grew by that, 6 % of it, as a soak's prompts brought new words). A smaller cache
@@ -47,34 +48,44 @@ class TextTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
+    @property
+    def backend(self) -> Tokenizer:
+        return self._tok
+
 
 class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas that never split a character.
+    """Turns a growing list of token ids into text deltas that never split a character, on
+    `tokenizers`' own DecodeStream (what TGI and vLLM use): it keeps the tokenizer's spacing rules
+    by decoding a short window of the previous tokens, and holds a token back (None) while its bytes
+    do not yet make a whole character. Against our former window decoder on the same 4,000 tokens:
+    the same text, 0.95 µs a token instead of 1.80 (python -m benchmarks.detokenize).
 
-        ids:  ... [prefix_offset ....... read_offset ....... len(ids)]
-                   └ decoded already ──┘ └ new tokens ──────┘
-    Decoding a window that starts a few tokens back keeps the spacing rules of the tokenizer;
-    a delta ending in U+FFFD (an incomplete UTF-8 sequence) waits for the next token.
-    """
+    DecodeStream has no flush: what it still holds at the end (an incomplete character cut off by
+    the end of generation) is decoded here from the tokens after its last emission."""
+
+    CONTEXT = 4  # tokens decoded before the held ones at flush, for the spacing rules
 
     def __init__(self, tokenizer: TextTokenizer):
         self._tok = tokenizer
+        self._stream = DecodeStream(skip_special_tokens=True)
         self.ids: list[int] = []
-        self._prefix_offset = 0
-        self._read_offset = 0
+        self._emitted = 0  # ids[:_emitted] are in the deltas returned so far
 
     def add(self, token_id: int) -> str:
         self.ids.append(token_id)
-        prefix = self._tok.decode(self.ids[self._prefix_offset:self._read_offset])
-        full = self._tok.decode(self.ids[self._prefix_offset:])
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
-            return full[len(prefix):]
-        return ""
+        delta = self._stream.step(self._tok.backend, token_id)
+        if delta is None:
+            return ""
+        self._emitted = len(self.ids)
+        return delta
 
     def flush(self) -> str:
         """Whatever is still held back (an incomplete character at the very end)."""
-        prefix = self._tok.decode(self.ids[self._prefix_offset:self._read_offset])
-        full = self._tok.decode(self.ids[self._prefix_offset:])
-        self._prefix_offset = self._read_offset = len(self.ids)
+        if self._emitted == len(self.ids):
+            return ""
+        start = max(0, self._emitted - self.CONTEXT)
+        prefix = self._tok.decode(self.ids[start:self._emitted])
+        full = self._tok.decode(self.ids[start:])
+        self._emitted = len(self.ids)
+        self._stream = DecodeStream(skip_special_tokens=True)
         return full[len(prefix):]

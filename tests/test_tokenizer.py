@@ -38,3 +38,27 @@ def test_encode_adds_bos_and_decode_skips_special_tokens(tok):
     assert ids[0] == 1  # <s>
     assert tok.decode(ids + [tok.eos_token_id]) == "hello"
     assert tok.eos_token_id == 2
+
+
+def test_an_incomplete_character_at_the_end_is_flushed(tok):
+    ids = tok.encode("ok 🚀")[1:]
+    detok = IncrementalDetokenizer(tok)
+    deltas = [detok.add(i) for i in ids[:-1]]  # generation ends inside the emoji
+    tail = detok.flush()
+    assert "".join(deltas) + tail == tok.decode(ids[:-1]) and tail.endswith("\ufffd")
+    assert detok.flush() == ""
+
+
+def test_stop_strings_see_the_same_text_token_by_token(tok):
+    from handlers.generation import StopFilter
+
+    text = "Café crème and 🚀 then STOP here"
+    ids = tok.encode(text)[1:]
+    detok, stops = IncrementalDetokenizer(tok), StopFilter(("STOP",))
+    out, stopped = [], False
+    for i in ids:
+        piece, stopped = stops.feed(detok.add(i))
+        out.append(piece)
+        if stopped:
+            break
+    assert stopped and "".join(out) == "Café crème and 🚀 then "
