@@ -218,6 +218,36 @@ def test_prefix_hit_is_scheduled_from_the_cached_position():
     assert plan.num_scheduled_tokens == {"b": 4}
 
 
+def test_copies_of_a_prompt_arriving_together_share_its_blocks():
+    """`n` choices (or a shared system prompt arriving at once): the first computes the prompt, the
+    others wait for its blocks to reach the prefix cache instead of computing them again; a request
+    behind them with another prompt is not held up."""
+    sched, runner = make(block_size=4, tokens=64)
+    prompt = list(range(2, 16))  # 14 tokens: 3 full blocks and a partial one
+    copies = [request(f"c{i}", prompt, max_new=3, do_sample=True, seed=i) for i in range(3)]
+    other = request("other", list(range(30, 39)))
+    for r in copies + [other]:
+        sched.add(r)
+    plan, _ = step(sched, runner)
+    assert plan.num_scheduled_tokens == {"c0": 14, "other": 9}
+    assert [r.request_id for r in sched.waiting] == ["c1", "c2"]
+    plan, _ = step(sched, runner)
+    assert plan.num_scheduled_tokens == {"c0": 1, "other": 1, "c1": 2, "c2": 2}  # 12 of 14 from the cache
+    assert copies[1].num_cached_tokens == copies[2].num_cached_tokens == 12
+    assert copies[1].block_ids[:3] == copies[2].block_ids[:3] == copies[0].block_ids[:3]
+    drain(sched, runner)
+    for r in copies:
+        assert r.output_token_ids == expected_tokens(r.request_id, 14, 3, True, 256)
+
+
+def test_without_prefix_caching_copies_run_at_once():
+    sched, runner = make(block_size=4, caching=False)
+    for i in range(2):
+        sched.add(request(f"c{i}", list(range(2, 16)), max_new=2))
+    plan, _ = step(sched, runner)
+    assert plan.num_scheduled_tokens == {"c0": 14, "c1": 14}
+
+
 def test_abort_frees_blocks_at_once():
     sched, runner = make(num_blocks=8)
     a, b = request("a", 10), request("b", 3)

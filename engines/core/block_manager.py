@@ -95,8 +95,15 @@ class BlockManager:
 
     def get_computed_blocks(self, req: Request) -> list[int]:
         """Cached blocks matching the start of the request's tokens, leaving at least one token to compute."""
+        return self.lookup(req)[0]
+
+    def lookup(self, req: Request) -> tuple[list[int], int | None]:
+        """(get_computed_blocks, the prefix hash of the full block right after them, or None when
+        no full block is left to compute or the request cannot use the prefix cache)."""
         if not self.enable_prefix_caching:
-            return []
+            return [], None
+        if req.sampling.prompt_logprobs and not req.output_token_ids:
+            return [], None  # every prompt token's logits are needed: compute them all (once)
         tokens, size = req.all_token_ids, self.block_size
         found: list[int] = []
         parent = _ROOT
@@ -105,10 +112,10 @@ class BlockManager:
             h = hash_block(parent, chunk)
             block_id = self.cached.get(h)
             if block_id is None or not self.blocks[block_id].holds(parent, chunk):
-                break
+                return found, h
             found.append(block_id)
             parent = h
-        return found
+        return found, None
 
     def can_allocate(self, req: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
         num_new_blocks = self._num_new_blocks(req, num_new_tokens, computed_blocks)

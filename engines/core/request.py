@@ -30,6 +30,9 @@ class Request:
         self.num_cached_tokens = 0  # of those, found in the prefix cache when last scheduled anew
         self.block_ids: list[int] = []  # block table: token at position p lives in block_ids[p // block_size]
         self.num_preemptions = 0
+        # (prefix hash of the first block it computes, the position that block ends at): while a
+        # running request is short of it, a waiting one with the same next block waits for the cache
+        self.prefix_probe: tuple[int, int] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -185,15 +185,28 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """First come first served, with one exception: a request whose next uncached block is the
+        one a running request is computing right now (the same prompt: `n` copies, or a shared
+        system prompt arriving together) waits a step or so and takes it from the prefix cache,
+        instead of computing and storing it again; requests behind it go on."""
         bm = self.block_manager
-        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
-            req = self.waiting[0]
-            computed = bm.get_computed_blocks(req)
+        in_flight = {r.prefix_probe[0] for r in self.running
+                     if r.prefix_probe and r.num_computed_tokens < r.prefix_probe[1]}
+        i = 0
+        while i < len(self.waiting) and len(self.running) < self.max_num_seqs and budget > 0:
+            req = self.waiting[i]
+            computed, probe = bm.lookup(req)
+            if probe is not None and probe in in_flight:
+                i += 1
+                continue
             num_new = min(req.num_tokens - len(computed) * bm.block_size, budget)
             if not bm.allocate(req, num_new, computed):
-                break  # first come first served: nobody jumps the queue
-            self.waiting.popleft()
+                break  # nobody else jumps the queue for lack of blocks
+            del self.waiting[i]
             req.status = Status.RUNNING
+            req.prefix_probe = None if probe is None else (probe, (len(computed) + 1) * bm.block_size)
+            if probe is not None:
+                in_flight.add(probe)
             self.running.append(req)
             self._record(req, num_new, out)
             budget -= num_new
