@@ -68,6 +68,10 @@ class Output(msgspec.Struct, tag="output", frozen=True):
     error: str | None = None
     # id of the engine batch that produced it (dynamic batching: observable batching)
     batch_id: int | None = None
+    # with SamplingParams.prompt_logprobs, on the request's first output: per prompt token its
+    # log-prob (None for the first, which nothing predicts) and its top_n_tokens alternatives
+    prompt_log_probs: list[float | None] | None = None
+    prompt_top_tokens: list[list[tuple[int, float]]] | None = None
 
 
 ToEngine = Add | Abort | Health

@@ -11,6 +11,7 @@ class SamplingParams(msgspec.Struct, frozen=True):
     temperature: float = 1.0
     top_k: int = 0  # 0: no top-k cut
     top_p: float = 1.0
+    min_p: float = 0.0  # vLLM's: drop tokens less likely than min_p × the most likely one's probability
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0  # OpenAI/vLLM: subtracted once from each token already generated
     frequency_penalty: float = 0.0  # OpenAI/vLLM: subtracted per occurrence in the generated tokens
@@ -18,6 +19,10 @@ class SamplingParams(msgspec.Struct, frozen=True):
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     top_n_tokens: int = 0
+    # the prompt's own log-probs (each token given the ones before it; TGI's decoder_input_details,
+    # OpenAI's echo + logprobs), with top_n_tokens alternatives each. A prompt asking for them is
+    # computed whole, not taken from the prefix cache.
+    prompt_logprobs: bool = False
 
     @property
     def has_output_penalties(self) -> bool:

@@ -107,7 +107,10 @@ class Service:
 
     def start(self, req: GenerationRequest, request_id: str) -> list[Generation]:
         """Tokenize, check lengths, and send every input to the engine."""
-        return self.launch(req, [(self.tokenizer.encode(text), text) for text in req.inputs], request_id)
+        prompts = [(self.tokenizer.encode(text), text) for text in req.inputs]
+        if req.truncate:  # TGI: the last `truncate` tokens of each input
+            prompts = [(ids[-req.truncate:], text) for ids, text in prompts]
+        return self.launch(req, prompts, request_id)
 
     def launch(self, req: GenerationRequest, prompts: list[tuple[list[int], str]], request_id: str,
                copies: int = 1) -> list[Generation]:
@@ -116,6 +119,12 @@ class Service:
         if self.is_dynamic and req.sampling.has_output_penalties:
             raise bad_request("presence_penalty and frequency_penalty need a rolling-batch engine "
                               "(dynamic batching runs HF generate, which has neither)")
+        if self.is_dynamic and req.sampling.top_n_tokens:
+            raise bad_request("top_n_tokens needs a rolling-batch engine (dynamic batching runs HF generate, "
+                              "which keeps no alternatives per token)", "top_n_tokens")
+        if self.is_dynamic and req.sampling.prompt_logprobs:
+            raise bad_request("the prompt's log-probabilities (decoder_input_details, echo with logprobs) need a "
+                              "rolling-batch engine", "decoder_input_details")
         for i, (ids, _) in enumerate(prompts):
             total = len(ids) + req.sampling.max_new_tokens
             if total > self.max_model_len:
@@ -272,6 +281,11 @@ def build_app(service: Service) -> Flask:
         is_gone = lambda: client_gone(sock)  # noqa: E731
         deadline = service.deadline()
         if req.stream or service.streams_by_default(req):
+            if req.decoder_input_details:
+                for gen in gens:
+                    gen.close()
+                raise bad_request("\"parameters.decoder_input_details\" cannot be used with streaming "
+                                  "(option.output_formatter streams this request)", "decoder_input_details")
             return _stream(gens[0], req, deadline, is_gone)
         try:
             bodies = [response_body(gen, collect(gen, deadline, is_gone), req) for gen in gens]

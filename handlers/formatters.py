@@ -31,6 +31,8 @@ def _details(gen: Generation, tokens: list[dict] | None) -> dict:
         details["tokens"] = [{k: v for k, v in t.items() if k != "top_tokens"} for t in tokens]
         if any("top_tokens" in t for t in tokens):
             details["top_tokens"] = [t.get("top_tokens", []) for t in tokens]
+    if gen.prefill is not None:
+        details["prefill"] = [{k: v for k, v in t.items() if k != "top_tokens"} for t in gen.prefill]
     return details
 
 

@@ -80,6 +80,8 @@ class Generation:
         self.input_text = input_text
         self.req = req
         self.num_prompt_tokens = len(prompt_ids)
+        self.prompt_ids = prompt_ids
+        self.prefill: list[dict] | None = None  # the prompt's tokens with their log-probs, when asked
         self._detok = IncrementalDetokenizer(tokenizer)
         self._tokenizer = tokenizer
         self._stops = StopFilter(req.stop_sequences)
@@ -143,6 +145,9 @@ class Generation:
             raise HttpError(424, "the engine did not answer within option.predict_timeout")
 
     def _tokens_of(self, out: Output) -> Iterator[dict]:
+        if out.prompt_log_probs is not None:
+            self.prefill = [self._token(tid, lp, out.prompt_top_tokens[i] if out.prompt_top_tokens else None)
+                            for i, (tid, lp) in enumerate(zip(self.prompt_ids, out.prompt_log_probs))]
         n = len(out.token_ids)
         for i, tid in enumerate(out.token_ids):
             text, stopped = self._stops.feed(self._detok.add(tid))
@@ -151,8 +156,7 @@ class Generation:
                 text += self._stops.feed(self._detok.flush())[0] + self._stops.flush()
             token = {"id": tid, "text": text, "log_prob": finite_or_none(out.log_probs[i]) if out.log_probs else None}
             if out.top_tokens:
-                token["top_tokens"] = [{"id": t, "text": self._tokenizer.decode([t]), "log_prob": finite_or_none(lp)}
-                                       for t, lp in out.top_tokens[i]]
+                token["top_tokens"] = self._alternatives(out.top_tokens[i])
             self.text_parts.append(text)
             if not self.num_generated_tokens:
                 self.first_token_at = time.monotonic()
@@ -168,6 +172,18 @@ class Generation:
         if out.finished and self.finish_reason is None:  # ended without a new token
             self.text_parts.append(self._stops.flush())
             self.finish_reason = out.finish_reason
+
+
+    def _alternatives(self, top: list[tuple[int, float]]) -> list[dict]:
+        return [{"id": t, "text": self._tokenizer.decode([t]), "log_prob": finite_or_none(lp)} for t, lp in top]
+
+    def _token(self, tid: int, log_prob: float | None, top: list[tuple[int, float]] | None) -> dict:
+        """A prompt token: its own text, its log-prob (None for the first), its alternatives when asked."""
+        token = {"id": tid, "text": self._tokenizer.decode([tid]),
+                 "log_prob": None if log_prob is None else finite_or_none(log_prob)}
+        if top is not None:
+            token["top_tokens"] = self._alternatives(top)
+        return token
 
 
 class ClientGone(Exception):

@@ -44,15 +44,21 @@ def chat_logprob(token: dict, decode) -> dict:
     return {"token": text, "logprob": token["log_prob"], "bytes": list(text.encode()), "top_logprobs": alternatives}
 
 
-def completion_logprobs(tokens: list[dict], decode, offset: int) -> dict:
-    """The legacy shape: parallel lists; text_offset indexes the returned text (echoed prompt included)."""
-    offsets = []
-    for t in tokens:
-        offsets.append(offset)
-        offset += len(t["text"])
-    return {"tokens": [_token_text(decode, t["id"]) for t in tokens],
-            "token_logprobs": [t["log_prob"] for t in tokens],
-            "top_logprobs": [{a["text"]: a["log_prob"] for a in t.get("top_tokens", [])} for t in tokens],
+def completion_logprobs(tokens: list[dict], decode, offset: int, prompt: list[dict] | None = None) -> dict:
+    """The legacy shape: parallel lists; text_offset indexes the returned text (echoed prompt included).
+    With `prompt` (echo + logprobs) the prompt's tokens come first, from offset 0; its first token has
+    neither a log-prob nor alternatives (null), as vLLM answers."""
+    entries = [(t, i == 0) for i, t in enumerate(prompt or [])] + [(t, False) for t in tokens]
+    offsets, at = [], 0 if prompt else offset
+    for i, (t, _) in enumerate(entries):
+        if prompt and i == len(prompt):
+            at = offset  # the generated text starts after the echoed prompt text
+        offsets.append(at)
+        at += len(t["text"])
+    return {"tokens": [_token_text(decode, t["id"]) for t, _ in entries],
+            "token_logprobs": [t["log_prob"] for t, _ in entries],
+            "top_logprobs": [None if first else {a["text"]: a["log_prob"] for a in t.get("top_tokens", [])}
+                             for t, first in entries],
             "text_offset": offsets}
 
 
@@ -77,7 +83,7 @@ def response(kind: str, req: OpenAIRequest, gens: list[Generation], tokens: list
                             "logprobs": logprobs, "finish_reason": finish_reason(gen)})
         else:
             prefix = gen.input_text if req.echo else ""
-            logprobs = completion_logprobs(toks, decode, len(prefix)) if req.logprobs else None
+            logprobs = completion_logprobs(toks, decode, len(prefix), gen.prefill) if req.logprobs else None
             choices.append({"index": i, "text": prefix + gen.generated_text, "logprobs": logprobs,
                             "finish_reason": finish_reason(gen)})
     body = _envelope(kind, new_id(kind), int(time.time()), model, choices)
@@ -141,5 +147,6 @@ def _chunk_choice(kind: str, req: OpenAIRequest, index: int, gen: Generation, to
         return {"index": index, "delta": {"content": token["text"]}, "logprobs": logprobs, "finish_reason": reason}
     prefix = gen.input_text if req.echo and is_first else ""
     offset = len(gen.generated_text) - len(token["text"]) + (len(gen.input_text) if req.echo else 0)
-    logprobs = completion_logprobs([token], decode, offset) if req.logprobs else None
+    prompt = gen.prefill if req.echo and is_first else None  # the echoed prompt's log-probs, in the first chunk
+    logprobs = completion_logprobs([token], decode, offset, prompt) if req.logprobs else None
     return {"index": index, "text": prefix + token["text"], "logprobs": logprobs, "finish_reason": reason}

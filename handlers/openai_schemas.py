@@ -21,7 +21,7 @@ COMMON_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
     "presence_penalty", "frequency_penalty", "user",
     # vLLM's extra sampling parameters
-    "ignore_eos", "top_k", "repetition_penalty", "stop_token_ids"})
+    "ignore_eos", "top_k", "min_p", "repetition_penalty", "stop_token_ids"})
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of"}
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions (vLLM's too)
@@ -73,11 +73,9 @@ def parse_completion(body: dict, *, limits: RequestLimits, vocab_size: int) -> O
     texts, ids = _prompts(body.get("prompt"), limits, vocab_size)
     logprobs = _int(body, "logprobs", None, minimum=0, maximum=MAX_COMPLETION_LOGPROBS, where=WHERE)
     echo = _bool(body, "echo", False, where=WHERE)
-    if echo and logprobs is not None:
-        raise bad_request("\"echo\" with \"logprobs\" needs the prompt's log-probabilities, which lmi-serve "
-                          "does not compute yet; drop one of them", "echo")
     max_tokens = _int(body, "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS, minimum=1, where=WHERE)
-    gen = _generation(body, texts, True, max_tokens, logprobs or 0)
+    # echo + logprobs: the echoed prompt's tokens come with their log-probs too
+    gen = _generation(body, texts, True, max_tokens, logprobs or 0, prompt_logprobs=echo and logprobs is not None)
     req = _options(body, gen, logprobs=logprobs is not None, top_logprobs=logprobs or 0, echo=echo,
                    prompt_ids=tuple(tuple(p) for p in ids))
     best_of = _int(body, "best_of", None, minimum=1, where=WHERE)
@@ -87,11 +85,12 @@ def parse_completion(body: dict, *, limits: RequestLimits, vocab_size: int) -> O
     return req
 
 
-def _generation(body: dict, inputs: list[str], is_list: bool, max_tokens: int, top_n: int) -> GenerationRequest:
+def _generation(body: dict, inputs: list[str], is_list: bool, max_tokens: int, top_n: int,
+                prompt_logprobs: bool = False) -> GenerationRequest:
     _number(body, "temperature", 1.0, minimum=0.0, maximum=2.0, where=WHERE)  # OpenAI's range
     sampling = sampling_params(  # OpenAI samples by default (temperature 1.0); temperature 0 is greedy
         body, do_sample=True, max_new_tokens=max_tokens, top_n_tokens=top_n, where=WHERE,
-        ignore_eos=_bool(body, "ignore_eos", False, where=WHERE))
+        ignore_eos=_bool(body, "ignore_eos", False, where=WHERE), prompt_logprobs=prompt_logprobs)
     return GenerationRequest(inputs=inputs, is_list=is_list, sampling=sampling,
                              stream=_bool(body, "stream", False, where=WHERE),
                              stop_sequences=_stop_sequences(body, "stop", where=WHERE))

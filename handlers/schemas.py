@@ -44,6 +44,7 @@ class GenerationRequest:
     details: bool = False
     return_full_text: bool = False
     decoder_input_details: bool = False
+    truncate: int | None = None  # keep only the last this many prompt tokens (TGI)
     stop_sequences: tuple[str, ...] = ()
     ignored_parameters: tuple[str, ...] = field(default=())
 
@@ -122,17 +123,16 @@ def _check_text(text: str, where: str, limits: RequestLimits | None = None) -> N
 _KNOWN = {"max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "repetition_penalty", "seed",
           "stop_sequences", "stop", "ignore_eos", "ignore_eos_token", "details", "return_full_text",
           "decoder_input_details", "top_n_tokens", "stop_token_ids", "stream", "presence_penalty",
-          "frequency_penalty"}
+          "frequency_penalty", "truncate", "min_p"}
 
 
 # Parameters LMI, TGI or vLLM define that we do not implement, with the value that changes nothing
 # (accepted); any other value is a 400 naming the parameter, never a 200 that silently ignored it.
-UNSUPPORTED = {"n": 1, "best_of": 1, "num_beams": 1, "typical_p": 1.0, "min_p": 0.0, "truncate": None,
+UNSUPPORTED = {"n": 1, "best_of": 1, "num_beams": 1, "typical_p": 1.0,
                "watermark": False, "grammar": None, "logprobs": None, "prompt_logprobs": None,
                "length_penalty": 1.0, "early_stopping": False, "include_stop_str_in_output": False,
                "skip_special_tokens": True, "spaces_between_special_tokens": True, "use_beam_search": False,
-               "min_tokens": 0, "min_new_tokens": 0, "logit_bias": None, "bad_words": None, "adapters": None,
-               "decoder_input_details": False}
+               "min_tokens": 0, "min_new_tokens": 0, "logit_bias": None, "bad_words": None, "adapters": None}
 
 
 def _refuse_unsupported(params: dict) -> None:
@@ -146,20 +146,25 @@ def _refuse_unsupported(params: dict) -> None:
 def _build(inputs, is_list, params: dict, stream: bool, default_max_new_tokens: int) -> GenerationRequest:
     _refuse_unsupported(params)
     ignored = tuple(sorted(k for k in params if k not in _KNOWN and k not in UNSUPPORTED))
+    details = _bool(params, "details", False)
+    decoder_input_details = _bool(params, "decoder_input_details", False)
+    if decoder_input_details and stream:  # as TGI and DJL: the prompt's details come with the whole answer
+        raise bad_request("\"parameters.decoder_input_details\" cannot be used with streaming", "decoder_input_details")
     sampling = sampling_params(
         params, do_sample=_bool(params, "do_sample", False),
         max_new_tokens=_int(params, "max_new_tokens", default_max_new_tokens, minimum=1),
         ignore_eos=_bool(params, "ignore_eos", False) or _bool(params, "ignore_eos_token", False),
-        top_n_tokens=_int(params, "top_n_tokens", 0, minimum=0, maximum=MAX_TOP_N_TOKENS))
+        top_n_tokens=_int(params, "top_n_tokens", 0, minimum=0, maximum=MAX_TOP_N_TOKENS),
+        prompt_logprobs=details and decoder_input_details)  # the prompt's log-probs appear in details only
     return GenerationRequest(
         inputs=inputs, is_list=is_list, sampling=sampling, stream=stream,
-        details=_bool(params, "details", False), return_full_text=_bool(params, "return_full_text", False),
-        decoder_input_details=_bool(params, "decoder_input_details", False),
+        details=details, return_full_text=_bool(params, "return_full_text", False),
+        decoder_input_details=decoder_input_details, truncate=_int(params, "truncate", None, minimum=1),
         stop_sequences=_stop_sequences(params), ignored_parameters=ignored)
 
 
 def sampling_params(params: dict, *, do_sample: bool, max_new_tokens: int, ignore_eos: bool, top_n_tokens: int,
-                    where: str = "parameters.") -> SamplingParams:
+                    prompt_logprobs: bool = False, where: str = "parameters.") -> SamplingParams:
     """The sampling fields every route shares (temperature, top_k, top_p, penalties, seed, stop ids),
     validated and normalised; the route decides do_sample, max_new_tokens and top_n_tokens."""
     temperature = _number(params, "temperature", 1.0, minimum=0.0, where=where)
@@ -171,11 +176,13 @@ def sampling_params(params: dict, *, do_sample: bool, max_new_tokens: int, ignor
         max_new_tokens=max_new_tokens, do_sample=not is_greedy,
         temperature=1.0 if is_greedy else max(temperature, MIN_TEMPERATURE),
         top_k=max(top_k, 0), top_p=top_p,
+        min_p=_number(params, "min_p", 0.0, minimum=0.0, maximum=1.0, where=where),
         repetition_penalty=min(max(penalty, REPETITION_PENALTY_RANGE[0]), REPETITION_PENALTY_RANGE[1]),
         presence_penalty=_number(params, "presence_penalty", 0.0, minimum=-2.0, maximum=2.0, where=where),
         frequency_penalty=_number(params, "frequency_penalty", 0.0, minimum=-2.0, maximum=2.0, where=where),
         seed=_int(params, "seed", None, minimum=0, where=where), ignore_eos=ignore_eos,
-        stop_token_ids=tuple(_int_list(params, "stop_token_ids", where=where)), top_n_tokens=top_n_tokens)
+        stop_token_ids=tuple(_int_list(params, "stop_token_ids", where=where)), top_n_tokens=top_n_tokens,
+        prompt_logprobs=prompt_logprobs)
 
 
 def _bool(params: dict, name: str, default, where: str = "parameters."):

@@ -3,8 +3,8 @@ route, which the `text-generation` client calls: `"stream"` picks the stream, el
 one-element array), `GET /info`; with `option.tgi_compat=true`, `/invocations` answers as `POST /`.
 
 The request is TGI's `{"inputs", "parameters"}`, which is the LMI schema, so it goes through the
-same parser (TGI's `stop`, `details`, `top_n_tokens`, ... included; `best_of`, `typical_p`,
-`truncate`, `watermark`, `grammar`, `decoder_input_details: true` are 400s naming them). Tokens are
+same parser (TGI's `stop`, `details`, `top_n_tokens`, `truncate`, ... included; `best_of`, `typical_p`,
+`watermark`, `grammar` are 400s naming them; `decoder_input_details` fills `prefill`). Tokens are
 TGI's `{"id", "text", "logprob", "special"}`. Rolling engines only, as streaming needs them.
 """
 
@@ -35,7 +35,8 @@ def tgi_details(gen: Generation, tokens: list[dict] | None, special_ids: frozens
     details = {"finish_reason": gen.finish_reason, "generated_tokens": gen.num_generated_tokens,
                "seed": gen.req.sampling.seed}
     if tokens is not None:
-        details["prefill"] = []
+        details["prefill"] = [{"id": t["id"], "text": t["text"], "logprob": t["log_prob"]}
+                              for t in gen.prefill or []]
         details["tokens"] = [tgi_token(t, special_ids) for t in tokens]
         if any("top_tokens" in t for t in tokens):
             details["top_tokens"] = [[tgi_token(a, special_ids) for a in t.get("top_tokens", [])] for t in tokens]
@@ -91,6 +92,9 @@ def register(app: Flask, service, read_body: Callable[[], bytes], to_json):
         return to_json(body, 200)
 
     def _generate_stream(req: GenerationRequest) -> Response:
+        if req.decoder_input_details:  # as TGI: the prompt's details come with the whole answer only
+            raise bad_request("\"parameters.decoder_input_details\" cannot be used with streaming",
+                              "decoder_input_details")
         gen, deadline, is_gone = _launch(req)
         events = _events(gen, req, deadline, is_gone)
         try:

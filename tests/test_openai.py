@@ -17,7 +17,8 @@ import torch
 from tests.support import ids_of, running_server
 
 ENGINES = {
-    "paged": "engine=Python\noption.rolling_batch=lmi-dist\noption.dtype=fp32\noption.kv_cache_memory=4MiB\n",
+    "paged": "engine=Python\noption.rolling_batch=lmi-dist\noption.dtype=fp32\noption.kv_cache_memory=4MiB\n"
+             "option.enable_prefix_caching=true\n",
     "rolling": "engine=Python\noption.rolling_batch=scheduler\noption.dtype=fp32\n"
                "option.served_model_name=my-model\n",
 }
@@ -113,6 +114,26 @@ def test_n_2_gives_two_different_reproducible_choices(server, client):
     assert first.usage.completion_tokens == 20 and first.usage.prompt_tokens == again.usage.prompt_tokens
 
 
+def test_n_choices_share_the_prompts_kv_through_the_prefix_cache(server, client):
+    if "prefix caching on" not in server.log():
+        pytest.skip("the padded engine has no prefix cache")
+    def counters() -> tuple[float, float]:  # /metrics asks the engine itself (/ping shows a snapshot)
+        text = requests.get(server.url + "/metrics", timeout=5).text
+        value = lambda name: float(next(line.split()[-1] for line in text.splitlines()  # noqa: E731
+                                        if line.startswith(name + " ")))
+        return value("lmi_prefix_cache_hit_tokens_total"), value("lmi_prefix_cache_query_tokens_total")
+
+    hits, queries = counters()
+    prompt = "A prompt nobody sent before, long enough to fill several blocks of sixteen tokens " * 2
+    out = client.completions.create(model=served_name(server), prompt=prompt, max_tokens=4, n=3, seed=5)
+    assert len(out.choices) == 3
+    hits_after, queries_after = counters()
+    assert queries_after - queries == 3 * out.usage.prompt_tokens
+    # choice 0 computes the prompt; choices 1 and 2 take its full blocks from the cache
+    full_blocks = (out.usage.prompt_tokens - 1) // 16 * 16
+    assert hits_after - hits == 2 * full_blocks > 0
+
+
 def test_stop_cuts_the_text_and_reports_stop(server, client, hf):
     full = hf.decode(hf("The river ran", 12))
     stop = full[6:9]
@@ -199,10 +220,45 @@ def test_bad_chat_values_are_400s_in_openais_shape(server, body, param, message)
                                      "code": None}}
 
 
-def test_echo_with_logprobs_is_a_400(server):
-    resp = server.post({"prompt": "hi", "echo": True, "logprobs": 1}, path="/v1/completions")
-    assert resp.status_code == 400 and resp.json()["error"]["param"] == "echo"
-    assert "prompt's log-probabilities" in resp.json()["error"]["message"]
+def prompt_log_probs(hf, ids: list[int]) -> tuple[list[float | None], torch.Tensor]:
+    with torch.no_grad():
+        lp = torch.log_softmax(hf.model(torch.tensor([ids])).logits[0].float(), -1)
+    return [None] + [lp[i, ids[i + 1]].item() for i in range(len(ids) - 1)], lp
+
+
+def test_echo_with_logprobs_gives_the_prompts_log_probs_first(server, client, hf):
+    prompt = "The river ran"
+    ids = hf.tokenizer(prompt).input_ids
+    out = client.completions.create(model=served_name(server), prompt=prompt, max_tokens=3, temperature=0,
+                                    echo=True, logprobs=2)
+    lp = out.choices[0].logprobs
+    generated = hf(prompt, 3)
+    assert lp.tokens == [hf.tokenizer.decode([i], skip_special_tokens=True) for i in ids + generated]
+    want, table = prompt_log_probs(hf, ids)
+    got = lp.token_logprobs[:len(ids)]
+    assert got[0] is None and all(abs(g - w) < 1e-4 for g, w in zip(got[1:], want[1:]))
+    assert lp.top_logprobs[0] is None
+    for i in range(1, len(ids)):  # each prompt position's two most likely tokens
+        assert set(lp.top_logprobs[i]) == {hf.tokenizer.decode([t], skip_special_tokens=True)
+                                           for t in table[i - 1].topk(2).indices.tolist()}
+    assert lp.text_offset[len(ids)] == len(prompt) and out.choices[0].text.startswith(prompt)
+    assert lp.text_offset[:len(ids)] == sorted(lp.text_offset[:len(ids)])
+    # streamed: the echoed prompt and its log-probs arrive with the first token
+    chunks = list(client.completions.create(model=served_name(server), prompt=prompt, max_tokens=3, temperature=0,
+                                            echo=True, logprobs=2, stream=True))
+    first = chunks[0].choices[0]
+    assert first.text.startswith(prompt) and first.logprobs.token_logprobs[:len(ids)] == got
+
+
+def test_decoder_input_details_on_invocations_fill_prefill(server, hf):
+    body = server.post({"inputs": "The river ran", "parameters": {"max_new_tokens": 2, "details": True,
+                                                                  "decoder_input_details": True}}).json()
+    ids = hf.tokenizer("The river ran").input_ids
+    want, _ = prompt_log_probs(hf, ids)
+    prefill = body["details"]["prefill"]
+    assert [t["id"] for t in prefill] == ids and prefill[0]["log_prob"] is None
+    assert all(abs(t["log_prob"] - w) < 1e-4 for t, w in zip(prefill[1:], want[1:]))
+    assert set(prefill[0]) == {"id", "text", "log_prob"}
 
 
 def test_messages_on_invocations_answer_djls_chat_shape(server, client, hf):
@@ -215,3 +271,13 @@ def test_messages_on_invocations_answer_djls_chat_shape(server, client, hf):
     chunks = [json.loads(line) for line in resp.iter_lines() if line]
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == expected
+
+
+def test_min_p_reaches_the_sampler_on_every_route(server, client, hf):
+    """min_p=1 keeps only the most likely token: sampling at a high temperature is then greedy."""
+    prompt = "Once upon a time the mill"
+    out = client.completions.create(model=served_name(server), prompt=prompt, max_tokens=8, temperature=1.8,
+                                    seed=3, extra_body={"min_p": 1.0})
+    lmi = server.post({"inputs": prompt, "parameters": {"max_new_tokens": 8, "do_sample": True, "temperature": 1.8,
+                                                         "min_p": 1.0, "details": True}}).json()
+    assert ids_of(lmi) == hf(prompt, 8) and out.choices[0].text == hf.decode(hf(prompt, 8))

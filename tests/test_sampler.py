@@ -111,6 +111,20 @@ def test_top_k_3_never_samples_outside_the_top_3():
     assert set(out.token_ids) == top3  # inside the top 3, and all three occur over 500 draws
 
 
+def test_min_p_keeps_exactly_the_tokens_hf_min_p_keeps():
+    from transformers import MinPLogitsWarper
+
+    n = 400
+    base = rand_logits(1, 60, seed=8, scale=1.5)[0]
+    logits = base.expand(n, 60).contiguous()
+    params = [SamplingParams(do_sample=True, min_p=0.3, temperature=0.8, seed=3000 + i) for i in range(n)]
+    s, ids = make(params)
+    out = s.sample(logits, ids)
+    warped = MinPLogitsWarper(0.3)(None, (base / 0.8).view(1, -1))[0]
+    allowed = set(torch.isfinite(warped).nonzero().view(-1).tolist())
+    assert 2 <= len(allowed) < 60 and set(out.token_ids) == allowed  # inside, and every kept one drawn
+
+
 def test_repetition_penalty_matches_hf_processor():
     vocab = 40
     logits = rand_logits(3, vocab, seed=6)

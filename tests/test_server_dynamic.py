@@ -213,3 +213,11 @@ def test_ping_is_logged_only_when_its_answer_changes(server):
     wait_for(lambda: "rid=after-pings" in server.log(), 10, "the access log line of the request after the pings")
     ok_lines = [line for line in server.log().splitlines() if '"GET /ping HTTP/1.1" 200' in line]
     assert 1 <= len(ok_lines) <= ServerConfig().http_workers, ok_lines  # the first 200 of each worker, no more
+
+
+@pytest.mark.parametrize("params,message", [
+    ({"details": True, "decoder_input_details": True}, "the prompt's log-probabilities (decoder_input_details"),
+    ({"details": True, "top_n_tokens": 2}, "top_n_tokens needs a rolling-batch engine")])
+def test_what_hf_generate_cannot_give_is_a_400_with_dynamic_batching(server, params, message):
+    resp = server.post({"inputs": "hi", "parameters": params})
+    assert resp.status_code == 400 and resp.json()["error"].startswith(message)

@@ -147,3 +147,28 @@ def test_a_failed_step_at_tp2_turns_ping_503_at_once_and_stops_the_server(tiny_m
     assert server.proc.wait(timeout=10) != 0
     assert time.monotonic() - failed < 10
     assert "step 1 failed with tensor parallelism" in server.log()
+
+
+def test_hf_model_id_with_sm_num_gpus_2_starts_a_tp2_mpi_engine(tiny_model, start_server, hf):
+    """The usual SageMaker deployment: no properties file, only the environment."""
+    import openai
+    import torch
+
+    server = start_server(None, None, env={"HF_MODEL_ID": str(tiny_model), "SM_NUM_GPUS": "2",
+                                           "OPTION_DTYPE": "fp32", "OPTION_KV_CACHE_MEMORY": "32MiB"})
+    wait_for(lambda: "rank 1 ready" in server.log(), 10, "rank 1's ready line")
+    assert "engine=MPI" in server.log()
+    prompt = "Once upon a time"
+    lmi = server.post({"inputs": prompt, "parameters": {"max_new_tokens": 10, "details": True,
+                                                        "decoder_input_details": True}}).json()
+    assert ids_of(lmi) == hf(prompt, 10)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    out = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=10, temperature=0)
+    assert out.choices[0].text == lmi["generated_text"]
+    # the prompt's log-probs come from rank 0's gathered logits
+    ids = hf.tokenizer(prompt).input_ids
+    with torch.no_grad():
+        lp = torch.log_softmax(hf.model(torch.tensor([ids])).logits[0].float(), -1)
+    prefill = lmi["details"]["prefill"]
+    assert [t["id"] for t in prefill] == ids and prefill[0]["log_prob"] is None
+    assert all(abs(t["log_prob"] - lp[i, ids[i + 1]].item()) < 1e-4 for i, t in enumerate(prefill[1:]))

@@ -57,7 +57,7 @@ def test_info(server):
     assert info["model_id"] == "tiny-llama" and info["max_total_tokens"] == 1024 and info["max_best_of"] == 1
 
 
-@pytest.mark.parametrize("name,value", [("best_of", 2), ("watermark", True), ("decoder_input_details", True)])
+@pytest.mark.parametrize("name,value", [("best_of", 2), ("watermark", True), ("typical_p", 0.5)])
 def test_tgi_parameters_we_lack_are_a_400(server, name, value):
     resp = server.post({"inputs": PROMPT, "parameters": {name: value}}, path="/generate")
     assert resp.status_code == 400 and resp.json()["error"].startswith(f"\"parameters.{name}\" is not supported")
@@ -82,8 +82,42 @@ def test_the_text_generation_client_streams(server, hf):
 
 
 def test_the_text_generation_client_gets_a_clear_error_for_what_we_lack(server):
-    with pytest.raises(ValidationError, match="decoder_input_details"):
-        Client(server.url, timeout=60).generate(PROMPT, max_new_tokens=2, decoder_input_details=True)
+    with pytest.raises(ValidationError, match="typical_p"):
+        Client(server.url, timeout=60).generate(PROMPT, max_new_tokens=2, typical_p=0.5)
+
+
+def prompt_log_probs(hf, ids: list[int]) -> list[float | None]:
+    import torch
+
+    with torch.no_grad():
+        lp = torch.log_softmax(hf.model(torch.tensor([ids])).logits[0].float(), -1)
+    return [None] + [lp[i, ids[i + 1]].item() for i in range(len(ids) - 1)]
+
+
+def test_the_text_generation_client_gets_the_prompts_log_probs(server, hf):
+    resp = Client(server.url, timeout=60).generate(PROMPT, max_new_tokens=3, decoder_input_details=True)
+    ids = hf.tokenizer(PROMPT)["input_ids"]
+    assert [t.id for t in resp.details.prefill] == ids and [t.id for t in resp.details.tokens] == hf(PROMPT, 3)
+    assert [t.text for t in resp.details.prefill] == [hf.tokenizer.decode([i], skip_special_tokens=True) for i in ids]
+    want = prompt_log_probs(hf, ids)
+    got = [t.logprob for t in resp.details.prefill]
+    assert got[0] is None and all(abs(g - w) < 1e-4 for g, w in zip(got[1:], want[1:]))
+
+
+def test_decoder_input_details_with_a_stream_is_a_400(server):
+    resp = server.post({"inputs": PROMPT, "parameters": {"decoder_input_details": True, "details": True}},
+                       path="/generate_stream")
+    assert resp.status_code == 400 and resp.json()["error"] == \
+        "\"parameters.decoder_input_details\" cannot be used with streaming"
+
+
+def test_truncate_keeps_the_last_prompt_tokens(server, hf):
+    ids = hf.tokenizer("Once upon a time the river ran")["input_ids"]
+    body = server.post({"inputs": "Once upon a time the river ran",
+                        "parameters": {"truncate": 3, "max_new_tokens": 4, "details": True,
+                                       "decoder_input_details": True}}, path="/generate").json()
+    assert [t["id"] for t in body["details"]["prefill"]] == ids[-3:]
+    assert [t["id"] for t in body["details"]["tokens"]] == hf(ids[-3:], 4)
 
 
 def test_post_slash_is_tgi_compat_generate(server, hf):

@@ -69,9 +69,10 @@ class Execute(msgspec.Struct, tag="execute"):
 # -- the padded engine's operations (PaddedBatch) -----------------------------------------------
 class Prefill(msgspec.Struct, tag="prefill"):
     prompts: list[list[int]]
+    prompt_top_n: list[int | None] = []  # per prompt: its log-probs with this many alternatives, or None
 
     def run(self, target):
-        return target.prefill(self.prompts)
+        return target.prefill(self.prompts, self.prompt_top_n)
 
 
 class Merge(msgspec.Struct, tag="merge"):

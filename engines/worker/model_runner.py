@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Sequence
 
 import torch
 from transformers import AutoConfig  # here, not in load(): an import, not weight loading
@@ -96,8 +97,10 @@ class ModelRunner:
         return parameter_bytes(self.model)
 
     @torch.inference_mode()
-    def prefill(self, prompts: list[list[int]]) -> tuple[torch.Tensor, PaddedKVCache]:
-        """A new left-padded batch from prompts → (last-token logits [n, V], its cache)."""
+    def prefill(self, prompts: list[list[int]], prompt_rows: Sequence[int] = ()) -> tuple[torch.Tensor, PaddedKVCache]:
+        """A new left-padded batch from prompts → (last-token logits [n, V], its cache). For each
+        row in `prompt_rows` the logits of its positions 0 .. len-2 follow, in that order (they
+        predict its prompt tokens 1 .. len-1)."""
         width = max(len(p) for p in prompts)
         pads = [width - len(p) for p in prompts]
         ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
@@ -105,7 +108,12 @@ class ModelRunner:
             ids[i, pads[i]:] = torch.tensor(p, dtype=torch.long)
         cache = PaddedKVCache.empty(self.num_layers, len(prompts), self.num_kv_heads, self.head_dim, pads,
                                     width + GROW, self.dtype, self.device)
-        return self._forward(cache, ids.to(self.device)), cache
+        index = None
+        if prompt_rows:  # flattened [B * T] indices: each row's last position, then the prompt rows' others
+            index = [b * width + width - 1 for b in range(len(prompts))]
+            index += [b * width + c for b in prompt_rows for c in range(pads[b], width - 1)]
+            index = torch.tensor(index, dtype=torch.long, device=self.device)
+        return self._forward(cache, ids.to(self.device), index), cache
 
     @torch.inference_mode()
     def decode(self, cache: PaddedKVCache, last_tokens: list[int]) -> torch.Tensor:
@@ -113,19 +121,21 @@ class ModelRunner:
         ids = torch.tensor(last_tokens, dtype=torch.long, device=self.device).view(-1, 1)
         return self._forward(cache, ids)
 
-    def _forward(self, cache: PaddedKVCache, ids: torch.Tensor) -> torch.Tensor:
+    def _forward(self, cache: PaddedKVCache, ids: torch.Tensor, logits_index: torch.Tensor | None = None) \
+            -> torch.Tensor:
         t = ids.shape[1]
         cols = torch.arange(cache.width, cache.width + t, device=self.device).view(1, -1)
         positions = (cols - cache.pads.view(-1, 1)).clamp(min=0)  # [B, T]
         cache.begin_forward(t)
         try:
             if self.is_native:
-                return self.model(ids, positions, cache)
-            return self._hf_forward(cache, ids, positions)
+                return self.model(ids, positions, cache, None, logits_index)
+            return self._hf_forward(cache, ids, positions, logits_index)
         finally:
             cache.end_forward()
 
-    def _hf_forward(self, cache: PaddedKVCache, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _hf_forward(self, cache: PaddedKVCache, ids: torch.Tensor, positions: torch.Tensor,
+                    logits_index: torch.Tensor | None) -> torch.Tensor:
         from transformers import DynamicCache
 
         w, t = cache.width, ids.shape[1]
@@ -137,4 +147,6 @@ class ModelRunner:
                          use_cache=True)
         for i, layer in enumerate(out.past_key_values.layers):
             cache.set_layer(i, layer.keys, layer.values)
+        if logits_index is not None:
+            return out.logits.reshape(-1, out.logits.shape[-1])[logits_index].float()
         return out.logits[:, -1].float()

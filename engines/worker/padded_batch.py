@@ -6,6 +6,7 @@ import torch
 
 from engines.worker.model_runner import ModelRunner
 from engines.worker.padded_cache import PaddedKVCache
+from engines.worker.sampler import PromptLogprobs, prompt_logprobs
 
 
 class PaddedBatch:
@@ -14,10 +15,20 @@ class PaddedBatch:
         self.running: PaddedKVCache | None = None
         self._new: PaddedKVCache | None = None
 
-    def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
-        """A new batch from prompts, kept aside until `merge`; → last-token logits [n, V]."""
-        logits, self._new = self.runner.prefill(prompts)
-        return logits
+    def prefill(self, prompts: list[list[int]], prompt_top_n: list[int | None] = ()) \
+            -> tuple[torch.Tensor | None, dict[int, PromptLogprobs]]:
+        """A new batch from prompts, kept aside until `merge`; → (last-token logits [n, V], the prompt
+        log-probs of each row whose `prompt_top_n` is not None). Rank 0 only: (None, {}) elsewhere."""
+        rows = [i for i, top in enumerate(prompt_top_n) if top is not None]
+        logits, self._new = self.runner.prefill(prompts, rows)
+        if logits is None:
+            return None, {}
+        prompt, at = {}, len(prompts)
+        for i in rows:
+            count = len(prompts[i]) - 1
+            prompt[i] = prompt_logprobs(logits[at:at + count], prompts[i][1:], 1, prompt_top_n[i])
+            at += count
+        return logits[:len(prompts)], prompt
 
     def warm_up(self, num_tokens: int) -> int:
         return self.runner.warm_up(num_tokens)

@@ -20,6 +20,7 @@ from engines.worker.engine_loop import EngineLoop, kv_budget_bytes
 from engines.worker.mirror import Allocate, ApplyPlan, Execute, Mirrored, WarmUp, WarmUpBuckets
 from engines.worker.model_runner import ModelRunner
 from engines.worker.paged_runner import PagedRunner
+from engines.worker.sampler import PromptLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,7 @@ class PagedEngine(EngineLoop):
         self.max_model_len = model_max_len(config.model.local_dir, config.model.max_model_len)
         self.runner = ModelRunner(config.model, self.max_model_len, self.comm)
         self._sampled: dict[str, int] = {}  # last step's tokens: the next plan carries them to the runners
+        self._prompt = PromptLogprobBuffer()
         self._arrivals = 0
 
     def load(self) -> None:
@@ -105,6 +107,7 @@ class PagedEngine(EngineLoop):
 
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
+        self._prompt.drop(request_id)
 
     def step(self) -> None:
         """One message crosses the ranks per step: the plan, carrying last step's sampled tokens."""
@@ -121,9 +124,12 @@ class PagedEngine(EngineLoop):
             victims = list(plan.num_scheduled_tokens)
             for rid in victims:
                 self.scheduler.abort(rid)
+                self._prompt.drop(rid)
             self.fail_step(victims, exc)
             return
         rids, sample = (result.request_ids, result.sample) if result else ([], None)
+        for rid, part in (result.prompt.items() if result else ()):
+            self._prompt.add(rid, part, self.scheduler.requests[rid].num_prompt_tokens)
         self._sampled = dict(zip(rids, sample.token_ids)) if sample else {}
         updated = self.scheduler.update(plan, self._sampled)
         index = {rid: i for i, rid in enumerate(rids)}
@@ -131,6 +137,31 @@ class PagedEngine(EngineLoop):
         for req in updated:
             i = index[req.request_id]
             top = [sample.top_tokens[i]] if req.sampling.top_n_tokens else []
+            prompt_lp, prompt_top = self._prompt.take(req) if req.sampling.prompt_logprobs else (None, None)
             outputs.append(Output(req.request_id, [sample.token_ids[i]], [sample.log_probs[i]], top,
-                                  req.is_finished, req.finish_reason))
+                                  req.is_finished, req.finish_reason, prompt_log_probs=prompt_lp,
+                                  prompt_top_tokens=prompt_top))
         self.publish(outputs)
+
+
+class PromptLogprobBuffer:
+    """The prompt log-probs of requests still in prefill (chunk by chunk), until their first token
+    goes out with them. A prefill repeated after a preemption overwrites the same positions."""
+
+    def __init__(self):
+        self._parts: dict[str, tuple[list, list]] = {}
+
+    def add(self, request_id: str, part: PromptLogprobs, num_prompt_tokens: int) -> None:
+        lp, top = self._parts.setdefault(request_id, ([None] * num_prompt_tokens, [[] for _ in range(num_prompt_tokens)]))
+        lp[part.start:part.start + len(part.log_probs)] = part.log_probs
+        top[part.start:part.start + len(part.top_tokens)] = part.top_tokens
+
+    def take(self, req: Request) -> tuple[list | None, list | None]:
+        """On the request's first token: its prompt log-probs (the first prompt token has none)."""
+        if req.num_generated_tokens != 1:
+            return None, None
+        lp, top = self._parts.pop(req.request_id, ([None] * req.num_prompt_tokens, [[]] * req.num_prompt_tokens))
+        return lp, top if req.sampling.top_n_tokens else None
+
+    def drop(self, request_id: str) -> None:
+        self._parts.pop(request_id, None)

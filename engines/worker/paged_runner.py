@@ -20,7 +20,7 @@ import torch
 from engines.attention.base import AttentionBackend, SeqSlice, bucket, select_backend, token_buckets
 from engines.core.scheduler import SchedulerOutput
 from engines.worker.model_runner import ModelRunner
-from engines.worker.sampler import SampleResult, Sampler
+from engines.worker.sampler import PromptLogprobs, SampleResult, Sampler, prompt_logprobs
 
 
 @dataclass
@@ -28,15 +28,18 @@ class _SeqState:
     token_ids: list[int]
     block_ids: list[int]
     num_computed_tokens: int
-    extra: dict = field(default_factory=dict)
+    num_prompt_tokens: int
+    prompt_top_n: int | None = None  # the prompt's log-probs are asked for, with this many alternatives
 
 
 @dataclass
 class StepResult:
-    """What a step produced on rank 0: one sampled token per request whose chunk reached its end."""
+    """What a step produced on rank 0: one sampled token per request whose chunk reached its end,
+    and the log-probs of the prompt tokens this step's chunks predicted, for requests that ask."""
 
     request_ids: list[str]
-    sample: SampleResult
+    sample: SampleResult | None
+    prompt: dict[str, PromptLogprobs] = field(default_factory=dict)
 
 
 class PagedRunner:
@@ -88,8 +91,10 @@ class PagedRunner:
         for rid in plan.preempted_ids:  # back later as new; its sampler state (seed, counts) goes on
             self.states.pop(rid, None)
         for new in plan.new_requests:
-            self.states[new.request_id] = _SeqState(list(new.token_ids), list(new.block_ids),
-                                                    new.num_computed_tokens)
+            sp = new.sampling
+            self.states[new.request_id] = _SeqState(list(new.token_ids), list(new.block_ids), new.num_computed_tokens,
+                                                    new.num_prompt_tokens,
+                                                    sp.top_n_tokens if sp.prompt_logprobs else None)
             if self.samples:
                 self.sampler.add(new.request_id, new.sampling, new.token_ids[:new.num_prompt_tokens],
                                  new.token_ids[new.num_prompt_tokens:])
@@ -108,9 +113,16 @@ class PagedRunner:
         positions: list[int] = []
         logits_index: list[int] = []
         sampling_ids: list[str] = []
+        prompt_index: list[int] = []  # rows whose logits predict a prompt token, for requests that ask
+        prompt_rows: list[tuple[str, int, int]] = []  # (request, first predicted position, count)
         for rid, n in plan.num_scheduled_tokens.items():
             st = self.states[rid]
             start = st.num_computed_tokens
+            if st.prompt_top_n is not None:  # position p's logits predict prompt token p + 1
+                end = min(start + n, st.num_prompt_tokens - 1)
+                if end > start:
+                    prompt_index += range(len(ids), len(ids) + end - start)
+                    prompt_rows.append((rid, start + 1, end - start))
             seqs.append(SeqSlice(len(ids), n, start + n, st.block_ids))
             ids += st.token_ids[start:start + n]
             positions += range(start, start + n)
@@ -122,10 +134,17 @@ class PagedRunner:
             return None
         decode_only = len(ids) == len(seqs)
         size = bucket(self.backend.decode_buckets if decode_only else self.buckets, len(ids))
-        logits = self._forward(seqs, ids, positions, logits_index, size)
-        if logits is None or not sampling_ids:
+        logits = self._forward(seqs, ids, positions, logits_index + prompt_index, size)
+        if logits is None or not (sampling_ids or prompt_rows):
             return None
-        return StepResult(sampling_ids, self.sampler.sample(logits, sampling_ids))
+        prompt, row = {}, len(logits_index)
+        for rid, first, count in prompt_rows:
+            st = self.states[rid]
+            prompt[rid] = prompt_logprobs(logits[row:row + count], st.token_ids[first:first + count], first,
+                                          st.prompt_top_n)
+            row += count
+        sample = self.sampler.sample(logits[:len(logits_index)], sampling_ids) if sampling_ids else None
+        return StepResult(sampling_ids, sample, prompt)
 
     def _forward(self, seqs: list[SeqSlice], ids: list[int], positions: list[int], logits_index: list[int],
                  size: int) -> torch.Tensor:

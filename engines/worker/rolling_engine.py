@@ -23,7 +23,7 @@ from engines.dist import SingleProcess
 from engines.worker.mirror import Decode, Merge, Mirrored, Prefill, Retire, WarmUp
 from engines.worker.model_runner import ModelRunner
 from engines.worker.padded_batch import PaddedBatch
-from engines.worker.sampler import Sampler
+from engines.worker.sampler import PromptLogprobs, Sampler
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,7 @@ class StepOutput:
         self.token_ids: list[int] = []
         self.log_probs: list[float] = []
         self.top_tokens: list[list[tuple[int, float]]] = []
+        self.prompt: PromptLogprobs | None = None
 
     def add(self, token_id: int, log_prob: float, top: list[tuple[int, float]]) -> None:
         self.token_ids.append(token_id)
@@ -45,7 +46,12 @@ class StepOutput:
 
     def to_output(self) -> Output:
         r = self.req
-        return Output(r.request_id, self.token_ids, self.log_probs, self.top_tokens, r.is_finished, r.finish_reason)
+        prompt_lp = prompt_top = None
+        if self.prompt is not None:  # the prefill step's output: the first prompt token has no log-prob
+            prompt_lp = [None] + self.prompt.log_probs
+            prompt_top = [[]] + self.prompt.top_tokens if r.sampling.top_n_tokens else None
+        return Output(r.request_id, self.token_ids, self.log_probs, self.top_tokens, r.is_finished, r.finish_reason,
+                      prompt_log_probs=prompt_lp, prompt_top_tokens=prompt_top)
 
 
 class RollingEngine(EngineLoop):
@@ -129,8 +135,13 @@ class RollingEngine(EngineLoop):
         for req in new:
             req.status = Status.RUNNING
             self.sampler.add(req.request_id, req.sampling, req.prompt_token_ids)
-        logits = self.batch.call(Prefill([r.prompt_token_ids for r in new]))
+        logits, prompt = self.batch.call(Prefill([r.prompt_token_ids for r in new],
+                                                 [r.sampling.top_n_tokens if r.sampling.prompt_logprobs else None
+                                                  for r in new]))
         self._sample(new, logits, outputs)
+        for i, part in prompt.items():
+            if new[i].request_id in outputs:
+                outputs[new[i].request_id].prompt = part
         keep = [i for i, r in enumerate(new) if not r.is_finished]
         for r in new:
             if r.is_finished:

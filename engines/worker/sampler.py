@@ -31,6 +31,28 @@ class SampleResult:
     top_tokens: list[list[tuple[int, float]]]  # per row: top_n (id, log_prob), empty when not asked
 
 
+@dataclass
+class PromptLogprobs:
+    """Log-probs of prompt tokens `start`, `start + 1`, ... under the model, each given the tokens
+    before it (from the logits at the position before), with top_n alternatives when asked."""
+
+    start: int
+    log_probs: list[float]
+    top_tokens: list[list[tuple[int, float]]]
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: list[int], start: int, top_n: int) -> PromptLogprobs:
+    """logits [n, V] at prompt positions start-1 ... start+n-2 → the log-probs of `targets` (the
+    prompt tokens at start ... start+n-1): the model's own distribution, no sampling settings."""
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = log_probs.gather(1, torch.tensor(targets, device=logits.device).view(-1, 1)).view(-1).tolist()
+    top: list[list[tuple[int, float]]] = [[] for _ in targets]
+    if top_n:
+        values, ids = log_probs.topk(top_n, dim=-1)
+        top = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    return PromptLogprobs(start, chosen, top)
+
+
 class _RequestState:
     __slots__ = ("params", "generator", "seen", "counts", "pending")
 
@@ -140,11 +162,18 @@ def _apply_penalties(logits: torch.Tensor, states: list[_RequestState]) -> torch
 
 
 def _warp(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Temperature for every row, then top-k and top-p for the rows that ask ([n, V] → [n, V] with
-    -inf outside); only those rows sort the vocabulary."""
+    """Temperature for every row, then min-p, top-k and top-p for the rows that ask ([n, V] → [n, V]
+    with -inf outside); only top-k/top-p rows sort the vocabulary."""
     temps = torch.tensor([p.temperature for p in params], device=logits.device).view(-1, 1)
     logits = logits / temps
     vocab = logits.shape[1]
+    with_min_p = [i for i, p in enumerate(params) if p.min_p > 0.0]
+    if with_min_p:  # after temperature, before top-k/top-p, as vLLM orders them
+        rows = logits[with_min_p]
+        probs = rows.softmax(dim=-1)
+        floor = probs.max(dim=-1, keepdim=True).values * torch.tensor(
+            [params[i].min_p for i in with_min_p], device=logits.device).view(-1, 1)
+        logits[with_min_p] = rows.masked_fill(probs < floor, float("-inf"))
     cut = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
     if not cut:
         return logits
