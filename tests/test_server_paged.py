@@ -157,3 +157,35 @@ def test_request_metrics_count_every_workers_requests_with_vllm_names(server, ti
     tokenizer = TextTokenizer(str(tiny_model))
     assert delta("vllm:prompt_tokens_total") == sum(len(tokenizer.encode(p)) for p in prompts)
     assert after["lmi_http_requests_in_flight"] == 0
+
+
+DJL_0_29 = """
+engine=MPI
+option.rolling_batch=lmi-dist
+option.tensor_parallel_degree=1
+option.max_rolling_batch_size=8
+option.max_rolling_batch_prefill_tokens=64
+option.dtype=fp32
+option.kv_cache_memory=1MiB
+"""
+LMI_V15 = """
+option.rolling_batch=vllm
+option.max_num_seqs=8
+option.max_model_len=256
+option.max_num_batched_tokens=64
+option.enable_prefix_caching=true
+option.dtype=fp32
+option.kv_cache_memory=1MiB
+"""
+
+
+@pytest.mark.parametrize("properties,log_line", [
+    (DJL_0_29, "max_num_seqs 8, max_num_batched_tokens 64"),
+    (LMI_V15, "option.rolling_batch=vllm: serving with the paged engine"),
+], ids=["djl-0.29", "lmi-v15"])
+def test_properties_written_for_djl_0_29_and_lmi_v15_start_and_serve(start_server, tiny_model, hf, properties,
+                                                                    log_line):
+    server = start_server(properties, tiny_model)
+    assert log_line in server.log() and "max_num_seqs 8, max_num_batched_tokens 64" in server.log()
+    body = server.post({"inputs": PROMPTS[3], "parameters": {"max_new_tokens": 6, "details": True}}).json()
+    assert ids_of(body) == hf(PROMPTS[3], 6)
