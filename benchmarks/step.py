@@ -3,6 +3,8 @@ linears alone, this tree against a baseline commit, interleaved in one run.
 
     python -m benchmarks.step --model-dir models/small --batch 32,64 --rounds 3 \
         --baseline 0c3b637 --out benchmarks/results/step_small.json
+    python -m benchmarks.step --model-dir models/small --batch 32 --rounds 3 --compile \
+        --out benchmarks/results/step_compile_small.json      # eager vs option.cpu_compile
 
 Each measurement runs in a fresh process (`--one`), so the two trees never share a process: the
 baseline's is a `git worktree` of `--baseline` in a temporary directory, driven through the same
@@ -26,7 +28,8 @@ import tempfile
 import time
 
 
-def measure_one(model_dir: str, batch: int, prompt: int, new: int, dtype: str) -> dict:
+def measure_one(model_dir: str, batch: int, prompt: int, new: int, dtype: str, compile_cache: str | None = None) -> dict:
+    """compile_cache: run with option.cpu_compile (torch.compile'd decode steps, cached there)."""
     import random
 
     import torch
@@ -44,9 +47,12 @@ def measure_one(model_dir: str, batch: int, prompt: int, new: int, dtype: str) -
     config = LmiConfig(model=ModelConfig(local_dir=model_dir, dtype=dtype),
                        scheduler=SchedulerConfig(engine_kind=ENGINE_PAGED, max_num_seqs=batch,
                                                  max_num_batched_tokens=max(1024, batch * prompt),
-                                                 kv_cache_memory="512MiB"))
+                                                 kv_cache_memory="512MiB", cpu_compile=compile_cache is not None,
+                                                 compile_cache_dir=compile_cache))
     engine = PagedEngine(config, publish)
+    load_started = time.perf_counter()
     engine.load()
+    load_s = time.perf_counter() - load_started
     rng = random.Random(0)
     params = SamplingParams(max_new_tokens=new, ignore_eos=True)
     for i in range(batch):
@@ -60,33 +66,40 @@ def measure_one(model_dir: str, batch: int, prompt: int, new: int, dtype: str) -
     wall = time.perf_counter() - started
     assert generated[0] == batch * new, (generated[0], batch * new)
     decode_steps = steps[2:-1]  # every request decoding (the first step prefills every prompt)
-    linears = linears_alone(engine.runner.model, batch)
+    linears = linears_alone(engine.runner.model, batch, compiled=compile_cache is not None)
     return {"tok_s": generated[0] / wall, "wall_s": wall, "decode_step_ms": 1e3 * statistics.median(decode_steps),
-            "linears_ms": linears, "num_steps": len(steps)}
+            "linears_ms": linears, "num_steps": len(steps), "load_s": load_s}
 
 
-def linears_alone(model, batch: int) -> float:
-    """Milliseconds for every linear layer's weight at `batch` rows, eager, median of 20."""
+def linears_alone(model, batch: int, compiled: bool = False) -> float:
+    """Milliseconds for every linear layer's weight at `batch` rows, median of 20: eager, or (for
+    the compiled engine) compiled the same way, by torch.compile (inductor)."""
     import torch
 
     weights = [m.weight for m in model.modules() if isinstance(getattr(m, "weight", None), torch.Tensor)
                and m.weight.dim() == 2 and type(m).__name__ != "VocabParallelEmbedding"]
     xs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype) for w in weights}
+
+    def run_all():
+        for w in weights:
+            torch.nn.functional.linear(xs[w.shape[1]], w)
+
+    fn = torch.compile(run_all) if compiled else run_all
     times = []
     with torch.inference_mode():
         for i in range(22):
             t = time.perf_counter()
-            for w in weights:
-                torch.nn.functional.linear(xs[w.shape[1]], w)
+            fn()
             if i >= 2:
                 times.append(time.perf_counter() - t)
     return 1e3 * statistics.median(times)
 
 
-def run_one(tree: str, args, batch: int) -> dict:
+def run_one(tree: str, args, batch: int, compile_cache: str | None = None) -> dict:
+    extra = ["--compile-cache", compile_cache] if compile_cache else []
     out = subprocess.run([sys.executable, "-m", "benchmarks.step", "--one", "--model-dir", os.path.abspath(args.model_dir),
                           "--batch", str(batch), "--prompt", str(args.prompt), "--new", str(args.new),
-                          "--dtype", args.dtype], cwd=tree, capture_output=True, text=True)
+                          "--dtype", args.dtype, *extra], cwd=tree, capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(f"measurement in {tree} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -102,15 +115,21 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--baseline", help="a commit to compare with (run from a temporary git worktree)")
     p.add_argument("--out", default="benchmarks/results/step.json")
+    p.add_argument("--compile", action="store_true",
+                   help="also this tree with option.cpu_compile (its compile cache is kept across rounds)")
+    p.add_argument("--compile-cache", help=argparse.SUPPRESS)
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batch.split(",")]
     if args.one:
-        print(json.dumps(measure_one(args.model_dir, batches[0], args.prompt, args.new, args.dtype)))
+        print(json.dumps(measure_one(args.model_dir, batches[0], args.prompt, args.new, args.dtype, args.compile_cache)))
         return 0
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     trees = {"this tree": root}
+    compile_cache = tempfile.mkdtemp(prefix="lmi-compile-cache-") if args.compile else None
+    if args.compile:
+        trees["this tree, compiled"] = root
     worktree = None
     if args.baseline:
         worktree = tempfile.mkdtemp(prefix="lmi-baseline-")
@@ -126,10 +145,11 @@ def main(argv=None) -> int:
         for r in range(args.rounds):
             for b in batches:
                 for name, tree in trees.items():
-                    res = run_one(tree, args, b)
+                    res = run_one(tree, args, b, compile_cache if name.endswith("compiled") else None)
                     runs[(name, b)].append(res)
                     print(f"  round {r + 1} batch {b:>3} {name:<22} {res['tok_s']:7.1f} tok/s  decode step "
-                          f"{res['decode_step_ms']:6.1f} ms  linears {res['linears_ms']:6.1f} ms", flush=True)
+                          f"{res['decode_step_ms']:6.1f} ms  linears {res['linears_ms']:6.1f} ms  "
+                          f"load {res.get('load_s', float('nan')):5.1f} s", flush=True)
     finally:
         if worktree:
             subprocess.run(["git", "worktree", "remove", "--force", worktree], cwd=root, capture_output=True)
@@ -143,14 +163,16 @@ def main(argv=None) -> int:
     for b in batches:
         for name in trees:
             row = {"tree": name, "batch": b, "tok_s": med(name, b, "tok_s"), "decode_step_ms": med(name, b, "decode_step_ms"),
-                   "linears_ms": med(name, b, "linears_ms")}
+                   "linears_ms": med(name, b, "linears_ms"),
+                   "load_s": [x.get("load_s") for x in runs[(name, b)]]}
             row["step_over_linears"] = row["decode_step_ms"] / row["linears_ms"]
             table.append(row)
             print(f"  {name:<22} {b:>5} {row['tok_s']:>8.1f} {row['decode_step_ms']:>8.1f} {row['linears_ms']:>10.1f} "
                   f"{row['step_over_linears']:>12.2f}")
-        if len(trees) > 1:
-            new, old = (next(r for r in table if r["tree"] == t and r["batch"] == b) for t in trees)
-            print(f"  batch {b}: this tree / baseline = {new['tok_s'] / old['tok_s']:.2f}x tok/s")
+        rows = {r["tree"]: r for r in table if r["batch"] == b}
+        for name in trees:
+            if name != "this tree":
+                print(f"  batch {b}: {name} / this tree = {rows[name]['tok_s'] / rows['this tree']['tok_s']:.2f}x tok/s")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"args": vars(args), "table": table, "runs": {f"{t}|{b}": v for (t, b), v in runs.items()}}, f,

@@ -248,6 +248,7 @@ def build(cfg: ResolvedConfig, *, local_dir: str, architecture: str | None,
         kv_block_size=cfg["option.kv_block_size"], enable_prefix_caching=cfg["option.enable_prefix_caching"],
         gpu_memory_utilization=cfg["option.gpu_memory_utilization"], kv_cache_memory=cfg["option.kv_cache_memory"],
         predict_timeout_s=float(cfg["option.predict_timeout"]), enforce_eager=cfg["option.enforce_eager"],
+        cpu_compile=cfg["option.cpu_compile"], compile_cache_dir=cfg["option.compile_cache_dir"],
         attention_backend=cfg["option.attention_backend"])
     server = ServerConfig(port=port, max_request_size=cfg["max_request_size"], http_workers=cfg["http_workers"],
                           http_threads=cfg["http_threads"], output_formatter=cfg["option.output_formatter"],

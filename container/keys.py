@@ -136,7 +136,12 @@ KEYS: tuple[Key, ...] = (
         "max_model_len need, at most 0.25 of available RAM)"),
     Key("option.kv_block_size", integer(1), 16, "tokens per paged KV block"),
     Key("option.enable_prefix_caching", boolean, False, "reuse KV blocks of shared prompt prefixes"),
-    Key("option.enforce_eager", boolean, False, "no CUDA graphs / torch.compile"),
+    Key("option.enforce_eager", boolean, False, "no CUDA graphs / torch.compile: every step runs eagerly"),
+    Key("option.cpu_compile", boolean, False,
+        "CPU: the paged engine's decode step compiled by torch.compile (inductor), every batch bucket before "
+        "/ping turns 200 (off by default: measured no faster on CPU, docs/paged.md)"),
+    Key("option.compile_cache_dir", text, None,
+        "where torch.compile keeps its compiled code (TORCHINDUCTOR_CACHE_DIR), so that a restart is warm"),
     Key("option.tgi_compat", boolean, False, "/invocations answers as TGI's POST / (an array, or TGI's SSE stream)"),
     Key("option.attention_backend", choice("auto", "torch", "flash_attn"), "auto",
         "paged attention kernels: flash_attn (CUDA with flash-attn installed), torch, or auto (the first that runs)"),

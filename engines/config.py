@@ -47,7 +47,9 @@ class SchedulerConfig(msgspec.Struct, frozen=True):
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: str | None = None  # CPU: bytes ("2GiB", "1073741824") or a fraction ("0.3")
     predict_timeout_s: float = 240.0
-    enforce_eager: bool = False
+    enforce_eager: bool = False  # no CUDA graphs, no torch.compile
+    cpu_compile: bool = False  # CPU: torch.compile the paged decode step
+    compile_cache_dir: str | None = None  # TORCHINDUCTOR_CACHE_DIR
     attention_backend: str = "auto"  # auto | torch | flash_attn (engines/attention)
 
 

@@ -78,6 +78,21 @@ def test_tp2_equals_tp1_token_for_token(model, rolling_batch, start_server):
     assert ids_of(sampled) == expected
 
 
+def test_tp2_with_compiled_decode_steps_equals_hf(tiny_model, start_server, hf):
+    """option.cpu_compile at TP=2: each rank compiles its shard's decode step (the all-reduces stay
+    outside the compiled graphs); greedy tokens are still HF's."""
+    server = start_server(properties("lmi-dist") + "option.cpu_compile=true\noption.max_rolling_batch_size=4\n",
+                          tiny_model)
+    wait_for(lambda: "rank 1 ready" in server.log(), 10, "rank 1's ready line")
+    assert "decode steps: inductor" in server.log()
+    oracle = hf
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:  # 6 requests, 4 at a time: buckets 1..4
+        bodies = list(pool.map(lambda p: server.post({"inputs": p, "parameters": {
+            "max_new_tokens": 12, "details": True}}).json(), PROMPTS))
+    for prompt, body in zip(PROMPTS, bodies):
+        assert ids_of(body) == oracle(prompt, 12)
+
+
 def _rank_pids(launcher_pid: int) -> dict[int, int]:
     ranks = {}
     for pid in _descendants(launcher_pid):

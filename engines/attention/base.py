@@ -60,8 +60,9 @@ class AttentionBackend(abc.ABC):
         """The caches: `num_blocks` for requests plus one scratch block for padding tokens; the
         shape buckets for `max_num_seqs` decodes of up to `max_blocks_per_seq` blocks."""
         shape = self.kv_cache_shape(num_blocks + 1)
-        self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        with torch.inference_mode(False):  # ordinary tensors: a compiled step may write views of them
+            self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+            self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         self.num_blocks = num_blocks
         self.scratch_block = num_blocks
         self.decode_buckets = token_buckets(max_num_seqs)
@@ -75,6 +76,11 @@ class AttentionBackend(abc.ABC):
     def build_metadata(self, seqs: list[SeqSlice], num_tokens: int | None = None):
         """The step's index tensors (on the device), shared by every layer; tokens past the
         sequences' up to `num_tokens` are padding (their K/V go to the scratch block)."""
+
+    @abc.abstractmethod
+    def build_decode_metadata(self, seqs: list[SeqSlice], num_rows: int, width: int):
+        """A decode-only step at a fixed shape (CUDA graphs): `num_rows` rows, the sequences' then
+        padding decodes on the scratch block, block tables `width` blocks wide."""
 
     def warm_up(self, num_heads: int) -> None:
         """Run every kernel shape the backend will meet (nothing by default)."""

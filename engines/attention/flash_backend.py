@@ -16,6 +16,7 @@ from typing import NamedTuple
 import torch
 
 from engines.attention.base import AttentionBackend, SeqSlice
+from engines.attention.torch_backend import decode_rows
 
 BLOCK_SIZE = 256
 
@@ -80,6 +81,17 @@ class FlashAttnBackend(AttentionBackend):
                              t(cu_q, torch.int32), t(cu_k, torch.int32),
                              max((s.num_query_tokens for s in prefills), default=0),
                              max((s.context_len for s in prefills), default=0))
+
+    def build_decode_metadata(self, seqs: list[SeqSlice], num_rows: int, width: int) -> FlashMetadata:
+        slots, table, lens = decode_rows(seqs, num_rows, width, self.block_size, self.scratch_block)
+        dev = self.device
+
+        def t(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
+
+        return FlashMetadata(t(slots, torch.long), torch.arange(num_rows, device=dev), t(table, torch.int32),
+                             t(lens, torch.int32), t([], torch.long), torch.zeros((0, width), dtype=torch.int32, device=dev),
+                             t([0], torch.int32), t([0], torch.int32), 0, 0)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: FlashMetadata):
         k_cache, v_cache = self.keys[layer], self.values[layer]

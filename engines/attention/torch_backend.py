@@ -83,6 +83,10 @@ class TorchPagedBackend(AttentionBackend):
                              torch.tensor(table, dtype=torch.long, device=dev).view(num_rows, nb),
                              torch.tensor(lens, dtype=torch.long, device=dev), rows, tuple(prefills))
 
+    def build_decode_metadata(self, seqs: list[SeqSlice], num_rows: int, width: int) -> TorchMetadata:
+        rows = decode_rows(seqs, num_rows, width, self.block_size, self.scratch_block)
+        return decode_metadata(*(torch.tensor(x, dtype=torch.long, device=self.device) for x in rows))
+
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: TorchMetadata):
         k_cache, v_cache = self.keys[layer], self.values[layer]
         store_kv(k[0], v[0], k_cache, v_cache, meta.slot_mapping)
@@ -107,6 +111,17 @@ class TorchPagedBackend(AttentionBackend):
             for nb in self.width_buckets:
                 table = torch.full((rows, nb), self.scratch_block, dtype=torch.long, device=self.device)
                 decode_attention(q, self.keys[0], self.values[0], table, lens)
+
+
+def decode_rows(seqs: list[SeqSlice], num_rows: int, width: int, block_size: int, scratch: int):
+    """A decode-only step at a fixed shape as lists: (slots [num_rows], block table [num_rows][width],
+    context lengths [num_rows]); rows past the sequences decode one padding token on the scratch block."""
+    pad = num_rows - len(seqs)
+    slots = [s.block_ids[(s.context_len - 1) // block_size] * block_size + (s.context_len - 1) % block_size
+             for s in seqs] + [scratch * block_size] * pad
+    table = [s.block_ids[:width] + [0] * (width - len(s.block_ids[:width])) for s in seqs]
+    table += [[scratch] + [0] * (width - 1)] * pad
+    return slots, table, [s.context_len for s in seqs] + [1] * pad
 
 
 def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:

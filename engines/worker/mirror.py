@@ -39,10 +39,12 @@ class Allocate(msgspec.Struct, tag="allocate"):
     max_num_seqs: int
     max_num_batched_tokens: int
     attention_backend: str
+    decode_mode: str = "eager"
+    compile_cache_dir: str | None = None
 
     def run(self, target):
         return target.allocate(self.num_blocks, self.block_size, self.max_num_seqs, self.max_num_batched_tokens,
-                               self.attention_backend)
+                               self.attention_backend, self.decode_mode, self.compile_cache_dir)
 
 
 class WarmUpBuckets(msgspec.Struct, tag="warm_up_buckets"):

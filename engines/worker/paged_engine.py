@@ -19,7 +19,7 @@ from engines.dist import SingleProcess
 from engines.worker.engine_loop import EngineLoop, kv_budget_bytes
 from engines.worker.mirror import Allocate, ApplyPlan, Execute, Mirrored, WarmUp, WarmUpBuckets
 from engines.worker.model_runner import ModelRunner
-from engines.worker.paged_runner import PagedRunner
+from engines.worker.paged_runner import DECODE_CUDA_GRAPHS, DECODE_EAGER, DECODE_INDUCTOR, PagedRunner
 from engines.worker.sampler import PromptLogprobs
 
 log = logging.getLogger(__name__)
@@ -44,17 +44,33 @@ class PagedEngine(EngineLoop):
             peak = self.paged.call(WarmUp(min(sched.max_num_batched_tokens, self.max_model_len)))
         budget = kv_budget_bytes(sched, self.runner, self.comm.world_size, peak, block_size)
         num_blocks = max(budget // block_bytes, 1)
+        decode_mode, why = self._decode_mode()
         with TIMELINE.phase("kv_allocation"):
             self.paged.call(Allocate(num_blocks, block_size, sched.max_num_seqs, sched.max_num_batched_tokens,
-                                     sched.attention_backend))
-        with TIMELINE.phase("warm_up_buckets"):
+                                     sched.attention_backend, decode_mode, sched.compile_cache_dir))
+        with TIMELINE.phase("warm_up_buckets" if decode_mode == DECODE_EAGER else f"warm_up_buckets_{decode_mode}"):
             self.paged.call(WarmUpBuckets())
+        log.info("decode steps: %s (%s)", decode_mode, why)
         self.blocks = BlockManager(num_blocks, block_size, sched.enable_prefix_caching)
         self.scheduler = Scheduler(sched.max_num_seqs, sched.max_num_batched_tokens, self.blocks, self.max_model_len)
         log.info("paged KV cache: %d blocks of %d tokens = %d tokens, %d bytes; attention backend %s; "
                  "prefix caching %s; max_num_seqs %d, max_num_batched_tokens %d", num_blocks, block_size,
                  num_blocks * block_size, num_blocks * block_bytes, self.paged.backend.name,
                  "on" if sched.enable_prefix_caching else "off", sched.max_num_seqs, sched.max_num_batched_tokens)
+
+    def _decode_mode(self) -> tuple[str, str]:
+        """How decode steps run, and why (one log line)."""
+        sched = self.config.scheduler
+        if sched.enforce_eager:
+            return DECODE_EAGER, "option.enforce_eager=true"
+        if self.runner.device.type == "cuda":
+            if self.comm.world_size > 1:  # the collectives inside the step are not captured
+                return DECODE_EAGER, "CUDA graphs are captured at tensor_parallel_degree=1 only"
+            return DECODE_CUDA_GRAPHS, "CUDA: one graph per decode batch bucket"
+        if sched.cpu_compile:
+            return DECODE_INDUCTOR, "option.cpu_compile=true: torch.compile (inductor)" + (
+                f", cache in {sched.compile_cache_dir}" if sched.compile_cache_dir else "")
+        return DECODE_EAGER, "CPU: torch.compile measured no faster here; option.cpu_compile=true turns it on"
 
     def _block_size(self) -> int:
         """option.kv_block_size, unless the attention backend needs another (flash-attn: 256)."""

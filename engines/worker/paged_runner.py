@@ -13,14 +13,23 @@ by tens of MiB under load as new counts appeared; with buckets there are a few d
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass, field
 
 import torch
 
 from engines.attention.base import AttentionBackend, SeqSlice, bucket, select_backend, token_buckets
 from engines.core.scheduler import SchedulerOutput
+from engines.worker.cuda_graphs import DecodeGraphs
 from engines.worker.model_runner import ModelRunner
 from engines.worker.sampler import PromptLogprobs, SampleResult, Sampler, prompt_logprobs
+
+
+# how a decode-only step runs (the engine chooses; docs/paged.md)
+DECODE_EAGER = "eager"
+DECODE_INDUCTOR = "inductor"  # CPU with option.cpu_compile: torch.compile
+DECODE_CUDA_GRAPHS = "cuda_graphs"  # CUDA at TP 1 unless option.enforce_eager
 
 
 @dataclass
@@ -54,15 +63,34 @@ class PagedRunner:
         self.states: dict[str, _SeqState] = {}
         self.samples = runner.comm.rank == 0  # the logits land on rank 0 only
         self.sampler = Sampler(runner.device)
+        self.decode_mode = DECODE_EAGER
+        self._decode_model = runner.model  # what runs a decode-only step (compiled with DECODE_INDUCTOR)
+        self._graphs: DecodeGraphs | None = None
 
     def allocate(self, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 attention_backend: str = "auto") -> None:
-        """The attention backend and its KV cache (rank 0 sizes it and tells the others)."""
+                 attention_backend: str = "auto", decode_mode: str = DECODE_EAGER,
+                 compile_cache_dir: str | None = None) -> None:
+        """The attention backend and its KV cache (rank 0 sizes it and tells the others), and how
+        decode steps run (decode_mode, chosen by the engine: docs/paged.md)."""
         r = self.runner
         cls = select_backend(attention_backend, r.device)
         self.backend = cls(r.num_layers, r.num_kv_heads, r.head_dim, block_size, r.dtype, r.device)
-        self.backend.allocate(num_blocks, max_num_seqs, -(-r.max_model_len // block_size))
+        max_blocks = -(-r.max_model_len // block_size)
+        self.backend.allocate(num_blocks, max_num_seqs, max_blocks)
         self.buckets = token_buckets(max_num_batched_tokens)
+        self.decode_mode = decode_mode
+        if decode_mode == DECODE_INDUCTOR:
+            if compile_cache_dir:  # read when inductor first compiles: a restart finds its code there
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = compile_cache_dir
+            # automatic dynamic shapes: the first bucket compiles static, the next makes batch size and
+            # block-table width symbolic, so that every bucket shares one or two graphs
+            # the forward without its inference_mode decorator (the step already runs in inference
+            # mode): traced with it, the in-place KV writes fail to compile
+            forward = type(r.model).forward
+            self._decode_model = torch.compile(functools.partial(getattr(forward, "__wrapped__", forward), r.model),
+                                               dynamic=None)
+        elif decode_mode == DECODE_CUDA_GRAPHS:
+            self._graphs = DecodeGraphs(r.model, self.backend, self.backend.decode_buckets, max_blocks, r.device)
 
     @torch.inference_mode()
     def warm_up_buckets(self) -> None:
@@ -73,7 +101,11 @@ class PagedRunner:
         decode = self.backend.decode_buckets
         for size in sorted({b for b in self.buckets if b <= decode[-1]} | set(decode)):
             self._forward([], [], [], list(range(size)), size)
+            if self.decode_mode == DECODE_INDUCTOR and size in decode:  # compile every decode bucket now
+                self._forward([], [], [], list(range(size)), size, decode_only=True)
         self.backend.warm_up(self.runner.model.num_heads)
+        if self._graphs is not None:
+            self._graphs.capture()
 
     def warm_up(self, num_tokens: int) -> int:
         return self.runner.warm_up(num_tokens)
@@ -134,7 +166,10 @@ class PagedRunner:
             return None
         decode_only = len(ids) == len(seqs)
         size = bucket(self.backend.decode_buckets if decode_only else self.buckets, len(ids))
-        logits = self._forward(seqs, ids, positions, logits_index + prompt_index, size)
+        if decode_only and self._graphs is not None and self._graphs.can_run(size):
+            logits = self._graphs.run(seqs, ids, positions, size)
+        else:
+            logits = self._forward(seqs, ids, positions, logits_index + prompt_index, size, decode_only)
         if logits is None or not (sampling_ids or prompt_rows):
             return None
         prompt, row = {}, len(logits_index)
@@ -147,16 +182,17 @@ class PagedRunner:
         return StepResult(sampling_ids, sample, prompt)
 
     def _forward(self, seqs: list[SeqSlice], ids: list[int], positions: list[int], logits_index: list[int],
-                 size: int) -> torch.Tensor:
+                 size: int, decode_only: bool = False) -> torch.Tensor:
         """The model over `ids` padded to `size` tokens → logits of the `logits_index` tokens (their
-        count padded to a decode bucket too: the LM head's shapes are static as well)."""
+        count padded to a decode bucket too: the LM head's shapes are static as well). A decode-only
+        step runs the decode model (compiled with DECODE_INDUCTOR)."""
         ids = ids + [0] * (size - len(ids))
         positions = positions + [0] * (size - len(positions))
         n = len(logits_index)
         rows = bucket(self.backend.decode_buckets, n)
         device = self.runner.device
         meta = self.backend.build_metadata(seqs, size)
-        logits = self.runner.model(torch.tensor([ids], device=device), torch.tensor([positions], device=device),
-                                   self.backend, meta,
-                                   torch.tensor(logits_index + [0] * (rows - n), dtype=torch.long, device=device))
+        model = self._decode_model if decode_only else self.runner.model
+        logits = model(torch.tensor([ids], device=device), torch.tensor([positions], device=device), self.backend, meta,
+                       torch.tensor(logits_index + [0] * (rows - n), dtype=torch.long, device=device))
         return logits[:n] if logits is not None else None
