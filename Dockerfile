@@ -9,7 +9,39 @@
 #
 # Multi-GPU (engine=MPI, tensor_parallel_degree > 1) needs shared memory for NCCL:
 # pass --shm-size (e.g. 2g or more) or --ipc=host.
-FROM nvidia/cuda:12.4.1-cudnn-runtime-ubuntu22.04
+#
+# At start `serve` logs which attention backend runs ("attention backend flash_attn") and how decode
+# steps run ("decode steps: cuda_graphs ..."). Building flash-attn takes a while (about an hour on 8
+# cores); the wheel stage is cached by Docker between builds.
+# torch's CUDA and the image's must agree: flash-attn is compiled against both. TORCH_INDEX picks
+# the torch wheel for CUDA_VERSION from PyTorch's index (cu128 = CUDA 12.8); the builder stops if
+# the installed torch reports another CUDA.
+ARG CUDA_VERSION=12.8.1
+ARG TORCH_INDEX=cu128
+ARG PYTHON=python3.11
+
+# -- stage 1: flash-attn, compiled on a CUDA -devel image (nvcc), for the GPUs LMI is deployed on
+#    (A100 8.0, A10G 8.6, L4/L40S 8.9, H100 9.0) --------------------------------------------------
+FROM nvidia/cuda:${CUDA_VERSION}-cudnn-devel-ubuntu22.04 AS flash-attn
+ARG TORCH_INDEX
+ARG PYTHON
+ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 \
+    TORCH_CUDA_ARCH_LIST="8.0;8.6;8.9;9.0" MAX_JOBS=8 FLASH_ATTENTION_FORCE_BUILD=TRUE
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends ${PYTHON} ${PYTHON}-venv ${PYTHON}-dev build-essential git \
+ && rm -rf /var/lib/apt/lists/* \
+ && ${PYTHON} -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+RUN pip install --upgrade pip wheel packaging ninja setuptools \
+ && pip install "torch==2.13.0" --index-url "https://download.pytorch.org/whl/${TORCH_INDEX}" \
+ && python -c "import torch, os; want = os.environ['CUDA_VERSION'].rsplit('.', 1)[0]; \
+assert torch.version.cuda == want, f'torch is built for CUDA {torch.version.cuda}, the image has {want}'"
+RUN pip wheel --no-build-isolation --no-deps -w /wheels "flash-attn>=2.5,<3"
+
+# -- stage 2: the serving image ------------------------------------------------------------------
+FROM nvidia/cuda:${CUDA_VERSION}-cudnn-runtime-ubuntu22.04
+ARG TORCH_INDEX
+ARG PYTHON
 
 ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONUNBUFFERED=1 \
@@ -20,29 +52,33 @@ ENV DEBIAN_FRONTEND=noninteractive \
 
 RUN apt-get update \
  && apt-get install -y --no-install-recommends \
-        python3.11 python3.11-venv python3.11-dev build-essential \
+        ${PYTHON} ${PYTHON}-venv ${PYTHON}-dev build-essential \
         openmpi-bin libopenmpi-dev ca-certificates \
  && rm -rf /var/lib/apt/lists/* \
- && python3.11 -m venv /opt/venv
+ && ${PYTHON} -m venv /opt/venv
 
 WORKDIR /opt/lmi
-# dependencies first (pyproject pins torch; on PyPI that pin is the CUDA build)
+# dependencies first: torch from the same index as the builder's (the flash-attn wheel links to it)
 COPY pyproject.toml README.md ./
 COPY container ./container
 COPY handlers ./handlers
 COPY engines ./engines
 COPY serving.properties.examples ./serving.properties.examples
-RUN pip install --upgrade pip && pip install . \
- && (pip install --no-build-isolation 'flash-attn>=2.5' \
-     || echo "flash-attn not installed: attention falls back to PyTorch SDPA")
+COPY --from=flash-attn /wheels /tmp/wheels
+RUN pip install --upgrade pip \
+ && pip install "torch==2.13.0" --index-url "https://download.pytorch.org/whl/${TORCH_INDEX}" \
+ && pip install . /tmp/wheels/flash_attn-*.whl \
+ && rm -rf /tmp/wheels \
+ && python -c "import flash_attn, torch; print('flash-attn', flash_attn.__version__, 'torch', torch.__version__)"
 
 RUN useradd --create-home --uid 1000 lmi \
  && mkdir -p /opt/ml/model /home/lmi/.cache/lmi-serve \
  && chown -R lmi:lmi /opt/ml /home/lmi/.cache
 USER lmi
-# the load-optimised weight cache (docs/planning.md): written on the first start, read on later
-# ones; option.load_cache_dir in serving.properties overrides it
-ENV OPTION_LOAD_CACHE_DIR=/home/lmi/.cache/lmi-serve/load-cache
+# the load-optimised weight cache (docs/planning.md) and torch.compile's code cache: written on the
+# first start, read on later ones; serving.properties keys override them
+ENV OPTION_LOAD_CACHE_DIR=/home/lmi/.cache/lmi-serve/load-cache \
+    OPTION_COMPILE_CACHE_DIR=/home/lmi/.cache/lmi-serve/compile-cache
 
 EXPOSE 8080
 LABEL com.amazonaws.sagemaker.capabilities.accept-bind-to-port=true

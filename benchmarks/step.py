@@ -72,9 +72,12 @@ def measure_one(model_dir: str, batch: int, prompt: int, new: int, dtype: str, c
 
 
 def linears_alone(model, batch: int, compiled: bool = False) -> float:
-    """Milliseconds for every linear layer's weight at `batch` rows, median of 20: eager, or (for
-    the compiled engine) compiled the same way, by torch.compile (inductor)."""
+    """Milliseconds for every linear layer's weight at `batch` rows, median of 20, multiplied as the
+    engine multiplies them (engines.layers.linear.linear: bf16 upcast to float32 where the engine
+    measured that faster), eager or (for the compiled engine) compiled by torch.compile (inductor)."""
     import torch
+
+    from engines.layers.linear import linear
 
     weights = [m.weight for m in model.modules() if isinstance(getattr(m, "weight", None), torch.Tensor)
                and m.weight.dim() == 2 and type(m).__name__ != "VocabParallelEmbedding"]
@@ -82,7 +85,7 @@ def linears_alone(model, batch: int, compiled: bool = False) -> float:
 
     def run_all():
         for w in weights:
-            torch.nn.functional.linear(xs[w.shape[1]], w)
+            linear(xs[w.shape[1]], w)
 
     fn = torch.compile(run_all) if compiled else run_all
     times = []

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from engines.dist import Communicator
-from engines.layers.linear import SliceReader
+from engines.layers.linear import SliceReader, linear
 
 
 def _local_range(vocab_size: int, comm: Communicator) -> tuple[int, int, int]:
@@ -48,7 +48,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     which alone samples (other ranks get None: no all-gather of logits nobody reads)."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = nn.functional.linear(hidden, self.weight)  # [..., vocab / world]
+        logits = linear(hidden, self.weight)  # [..., vocab / world]
         if self.comm.world_size > 1:
             logits = self.comm.gather(logits, dim=-1)
             if logits is None:

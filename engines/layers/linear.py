@@ -19,6 +19,47 @@ from engines.dist import Communicator
 SliceReader = Callable[[tuple], torch.Tensor]  # reads checkpoint_tensor[slices]
 
 
+class MatmulPolicy:
+    """How the linear layers multiply. `upcast`: bf16 weights and activations are multiplied in
+    float32 (each weight converted as it is used, the result rounded back to bf16): on a CPU without
+    native bf16 dot products (no AVX512-BF16 or AMX) oneDNN's bf16 GEMM runs at a third of float32's
+    speed, and converting on the fly is cheaper than the difference. Weights stay bf16 in memory.
+    Chosen once per process by measuring both (`choose_cpu_matmul`)."""
+
+    upcast = False
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if MatmulPolicy.upcast and weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
+        return nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+    return nn.functional.linear(x, weight, bias)
+
+
+def choose_cpu_matmul(in_features: int, out_features: int, rows: int = 32) -> tuple[bool, float, float]:
+    """Time a bf16 [rows, in] × [in, out] product natively and upcast (medians of 5, after a warm-up);
+    set MatmulPolicy.upcast when upcasting is at least 10% faster. → (upcast, native ms, upcast ms)."""
+    import statistics
+    import time
+
+    w = torch.randn(out_features, in_features).to(torch.bfloat16)
+    x = torch.randn(rows, in_features).to(torch.bfloat16)
+
+    def median_ms(fn) -> float:
+        times = []
+        for i in range(7):
+            started = time.perf_counter()
+            fn()
+            if i >= 2:
+                times.append(time.perf_counter() - started)
+        return 1e3 * statistics.median(times)
+
+    with torch.inference_mode():
+        native = median_ms(lambda: nn.functional.linear(x, w))
+        upcast = median_ms(lambda: nn.functional.linear(x.float(), w.float()).to(torch.bfloat16))
+    MatmulPolicy.upcast = upcast < 0.9 * native
+    return MatmulPolicy.upcast, native, upcast
+
+
 def shard_range(size: int, rank: int, world: int) -> tuple[int, int]:
     if size % world:
         raise ValueError(f"dimension {size} does not split evenly over {world} ranks")
@@ -49,7 +90,7 @@ class ColumnParallelLinear(nn.Module):
         target.data[start:start + hi - lo].copy_(get((slice(lo, hi),)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -70,5 +111,5 @@ class RowParallelLinear(nn.Module):
         self.weight.data.copy_(get((slice(None), slice(lo, hi))))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.comm.all_reduce(nn.functional.linear(x, self.weight))
+        y = self.comm.all_reduce(linear(x, self.weight))
         return y + self.bias if self.bias is not None else y
