@@ -219,11 +219,12 @@ def main(argv=None) -> int:
 
     ctranslate2.converters.TransformersConverter(args.model_dir).convert(args.ct2_dir, force=True)
     types = ct2_compute_types()
-    servers = {name: BenchServer(name, args.model_dir, "bf16", "512MiB", []) for name in ("paged", "rolling")}
+    servers: dict[str, BenchServer] = {}
     llama = None
     try:
-        for s in servers.values():
-            s.wait_ready()
+        for name in ("paged", "rolling"):  # one after the other: each measures its CPU at start
+            servers[name] = BenchServer(name, args.model_dir, "bf16", "512MiB", [])
+            servers[name].wait_ready()
         if args.llama_cpp:
             gguf = os.path.join(work, "model-bf16.gguf")
             convert_to_gguf(args.llama_cpp, os.path.abspath(args.model_dir), gguf)
