@@ -57,3 +57,58 @@ def choose_cpu_matmul(in_features: int, out_features: int, rows: int = 32) -> tu
                     best[name] = min(best[name], time.perf_counter() - started)
     MatmulPolicy.upcast = best["upcast"] < 0.9 * best["native"]
     return MatmulPolicy.upcast, 1e3 * best["native"], 1e3 * best["upcast"]
+
+
+def shard_range(size: int, rank: int, world: int) -> tuple[int, int]:
+    if size % world:
+        raise ValueError(f"dimension {size} does not split evenly over {world} ranks")
+    part = size // world
+    return rank * part, (rank + 1) * part
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T (+ b) for this rank's output slice. `output_sizes` lists fused parts (q, k, v),
+    each split over the ranks on its own, so a fused weight loads part by part."""
+
+    def __init__(self, in_features: int, output_sizes: Sequence[int], comm: Communicator, *, bias: bool = False,
+                 local_sizes: Sequence[int] | None = None):
+        super().__init__()
+        self.comm = comm
+        self.part_sizes = list(local_sizes or [s // comm.world_size for s in output_sizes])
+        out = sum(self.part_sizes)
+        self.weight = nn.Parameter(torch.empty(out, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
+
+    def load_shard(self, part: int, full_size: int, get: SliceReader, which: str = "weight",
+                   rows: tuple[int, int] | None = None) -> None:
+        """Copy this rank's rows of fused part `part` (or the given `rows` of it) from the checkpoint."""
+        start = sum(self.part_sizes[:part])
+        lo, hi = rows or shard_range(full_size, self.comm.rank, self.comm.world_size)
+        assert hi - lo == self.part_sizes[part], (lo, hi, self.part_sizes[part])
+        target = self.weight if which == "weight" else self.bias
+        target.data[start:start + hi - lo].copy_(get((slice(lo, hi),)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_shard W_shard^T) (+ b): input features split over the ranks."""
+
+    def __init__(self, in_features: int, out_features: int, comm: Communicator, *, bias: bool = False):
+        super().__init__()
+        self.comm = comm
+        self.in_features = in_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // comm.world_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def load_shard(self, get: SliceReader, which: str = "weight") -> None:
+        if which == "bias":
+            self.bias.data.copy_(get((slice(None),)))
+            return
+        lo, hi = shard_range(self.in_features, self.comm.rank, self.comm.world_size)
+        self.weight.data.copy_(get((slice(None), slice(lo, hi))))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.comm.all_reduce(linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y
