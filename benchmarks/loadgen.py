@@ -204,11 +204,12 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     configs, workloads = args.configs.split(","), args.workloads.split(",")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    servers = {c: BenchServer(c, args.model_dir, args.dtype, args.kv_cache_memory, args.set) for c in configs}
+    servers: dict[str, BenchServer] = {}
     runs: list[RunResult] = []
     try:
-        for s in servers.values():
-            s.wait_ready()
+        for c in configs:  # one after the other: each engine measures its CPU at start
+            servers[c] = BenchServer(c, args.model_dir, args.dtype, args.kv_cache_memory, args.set)
+            servers[c].wait_ready()
         for rnd in range(args.rounds):
             for w in workloads:
                 bodies = build_requests(w, args.model_dir, args.requests, args.seed + rnd)

@@ -47,8 +47,10 @@ def measure_one(model_dir: str, batch: int, prompt: int, new: int, dtype: str, c
     config = LmiConfig(model=ModelConfig(local_dir=model_dir, dtype=dtype),
                        scheduler=SchedulerConfig(engine_kind=ENGINE_PAGED, max_num_seqs=batch,
                                                  max_num_batched_tokens=max(1024, batch * prompt),
-                                                 kv_cache_memory="512MiB", cpu_compile=compile_cache is not None,
-                                                 compile_cache_dir=compile_cache))
+                                                 kv_cache_memory="512MiB",
+                                                 # (a baseline tree may predate these settings)
+                                                 **({"cpu_compile": True, "compile_cache_dir": compile_cache}
+                                                    if compile_cache else {})))
     engine = PagedEngine(config, publish)
     load_started = time.perf_counter()
     engine.load()
@@ -77,15 +79,17 @@ def linears_alone(model, batch: int, compiled: bool = False) -> float:
     measured that faster), eager or (for the compiled engine) compiled by torch.compile (inductor)."""
     import torch
 
-    from engines.layers.linear import linear
+    try:
+        from engines.layers.linear import linear
+    except ImportError:  # a baseline tree from before it: plain bf16 products
+        linear = torch.nn.functional.linear
 
     weights = [m.weight for m in model.modules() if isinstance(getattr(m, "weight", None), torch.Tensor)
                and m.weight.dim() == 2 and type(m).__name__ != "VocabParallelEmbedding"]
     xs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype) for w in weights}
 
-    def run_all():
-        for w in weights:
-            linear(xs[w.shape[1]], w)
+    def run_all():  # the outputs are returned: a compiled function would drop unused products
+        return [linear(xs[w.shape[1]], w) for w in weights]
 
     fn = torch.compile(run_all) if compiled else run_all
     times = []

@@ -82,10 +82,10 @@ class PagedRunner:
         if decode_mode == DECODE_INDUCTOR:
             if compile_cache_dir:  # read when inductor first compiles: a restart finds its code there
                 os.environ["TORCHINDUCTOR_CACHE_DIR"] = compile_cache_dir
-            # automatic dynamic shapes: the first bucket compiles static, the next makes batch size and
-            # block-table width symbolic, so that every bucket shares one or two graphs
             # the forward without its inference_mode decorator (the step already runs in inference
-            # mode): traced with it, the in-place KV writes fail to compile
+            # mode; traced with it, the in-place KV writes fail to compile), with automatic dynamic
+            # shapes: the first bucket compiles static, the next makes batch size and block-table
+            # width symbolic, so that every bucket shares one or two graphs
             forward = type(r.model).forward
             self._decode_model = torch.compile(functools.partial(getattr(forward, "__wrapped__", forward), r.model),
                                                dynamic=None)
@@ -167,7 +167,10 @@ class PagedRunner:
         decode_only = len(ids) == len(seqs)
         size = bucket(self.backend.decode_buckets if decode_only else self.buckets, len(ids))
         if decode_only and self._graphs is not None and self._graphs.can_run(size):
-            logits = self._graphs.run(seqs, ids, positions, size)
+            # the graph gives every token's logits; keep the rows the eager path would (a one-token
+            # chunk inside a prompt samples nothing)
+            rows = torch.tensor(logits_index + prompt_index, dtype=torch.long, device=self.runner.device)
+            logits = self._graphs.run(seqs, ids, positions, size).index_select(0, rows)
         else:
             logits = self._forward(seqs, ids, positions, logits_index + prompt_index, size, decode_only)
         if logits is None or not (sampling_ids or prompt_rows):
