@@ -124,15 +124,13 @@ def load(model: torch.nn.Module, bin_path: str, index_path: str, source: str) ->
         raise CacheMiss(f"the index has {len(crcs)} checksums for {len(starts)} pieces")
     with concurrent.futures.ThreadPoolExecutor(NUM_READ_THREADS) as pool:
         list(pool.map(read_and_check, range(len(starts))))
-    views = {name: data[e["offset"]:e["offset"] + e["nbytes"]].view(p.dtype).view(p.shape)
-             for (name, p), e in ((item, entries[item[0]]) for item in params.items())}
-    devices = {p.device for p in params.values()}
-    if devices == {torch.device("cpu")}:
+    views = {name: data[entries[name]["offset"]:entries[name]["offset"] + entries[name]["nbytes"]]
+             .view(p.dtype).view(p.shape) for name, p in params.items()}
+    if {p.device.type for p in params.values()} == {"cpu"}:
         for name, p in params.items():
             p.data = views[name]
     else:
         _copy_to_device(params, views)
-        del data, views
     return size
 
 
