@@ -144,8 +144,13 @@ def cmd_plan(args) -> int:
 
 
 def cmd_make_model(args) -> int:
-    from container.model_maker import make_model
+    from container.model_maker import make_draft, make_model
 
+    if args.draft_of:
+        card = make_draft(args.draft_of, args.out_dir, args.num_layers or 2)
+        print(f"wrote a {card['num_hidden_layers']}-layer draft of {args.draft_of} ({card['num_parameters']:,} "
+              f"parameters) to {args.out_dir}")
+        return 0
     overrides = {k: v for k, v in {"num_key_value_heads": args.num_kv_heads, "num_attention_heads": args.num_heads,
                                    "num_hidden_layers": args.num_layers, "hidden_size": args.hidden_size}.items()
                  if v is not None}
@@ -183,6 +188,9 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--num-heads", type=int)
     m.add_argument("--num-layers", type=int)
     m.add_argument("--hidden-size", type=int)
+    m.add_argument("--draft-of", metavar="MODEL_DIR",
+                   help="write a draft model for speculative decoding instead: MODEL_DIR's embeddings, first "
+                        "--num-layers layers (default 2), final norm and LM head")
     m.set_defaults(fn=cmd_make_model)
     return p
 

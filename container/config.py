@@ -111,7 +111,7 @@ def _put(raw: dict[str, tuple[str, str]], key: str, value: str, source: str) -> 
     if target in raw and raw[target][1].split(" as ")[0] == source.split(" as ")[0] \
             and raw[target][0].strip() != value.strip():
         alias = key if key != target else raw[target][1].split(" as ")[-1]
-        raise ConfigError(f"{alias} and {target} disagree ({raw[target][0]!r} and {value!r}; {alias} is vLLM's "
+        raise ConfigError(f"{alias} and {target} disagree ({raw[target][0]!r} and {value!r}; {alias} is another "
                           f"name for {target}); set only one of them")
     raw[target] = (value, source)
 
@@ -249,7 +249,7 @@ def build(cfg: ResolvedConfig, *, local_dir: str, architecture: str | None,
         gpu_memory_utilization=cfg["option.gpu_memory_utilization"], kv_cache_memory=cfg["option.kv_cache_memory"],
         predict_timeout_s=float(cfg["option.predict_timeout"]), enforce_eager=cfg["option.enforce_eager"],
         cpu_compile=cfg["option.cpu_compile"], compile_cache_dir=cfg["option.compile_cache_dir"],
-        attention_backend=cfg["option.attention_backend"])
+        attention_backend=cfg["option.attention_backend"], **speed_settings(cfg, kind))
     server = ServerConfig(port=port, max_request_size=cfg["max_request_size"], http_workers=cfg["http_workers"],
                           http_threads=cfg["http_threads"], output_formatter=cfg["option.output_formatter"],
                           default_max_new_tokens=cfg["option.max_new_tokens"],
@@ -260,6 +260,33 @@ def build(cfg: ResolvedConfig, *, local_dir: str, architecture: str | None,
                           chat_template=cfg["option.chat_template"], tgi_compat=cfg["option.tgi_compat"])
     return LmiConfig(model=model, scheduler=scheduler,
                      parallel=ParallelConfig(use_mpi=use_mpi, tensor_parallel_degree=tp), server=server)
+
+
+def speed_settings(cfg: ResolvedConfig, kind: str) -> dict:
+    """Speculative decoding and multi-step decode: the paged engine's, checked here."""
+    method, draft, steps = cfg["option.speculative_method"], cfg["option.speculative_model"], \
+        cfg["option.num_scheduler_steps"]
+    if draft and not method:
+        method = "draft"  # lmi-dist's option.speculative_draft_model alone turns it on
+    if (method or steps > 1) and kind != ENGINE_PAGED:
+        what = f"option.speculative_method={method}" if method else f"option.num_scheduler_steps={steps}"
+        raise ConfigError(f"{what} needs the paged engine (option.rolling_batch=auto or lmi-dist), not the "
+                          f"{kind} engine")
+    if method == "draft" and not draft:
+        raise ConfigError("option.speculative_method=draft needs option.speculative_model, the draft model's directory")
+    if method == "draft" and not os.path.isfile(os.path.join(draft, "config.json")):
+        raise ConfigError(f"option.speculative_model={draft}: not a model directory (no config.json there)")
+    if method == "ngram" and draft:
+        raise ConfigError("option.speculative_model is for option.speculative_method=draft, not ngram")
+    lo, hi = cfg["option.ngram_prompt_lookup_min"], cfg["option.ngram_prompt_lookup_max"]
+    if lo > hi:
+        raise ConfigError(f"option.ngram_prompt_lookup_min={lo} is larger than option.ngram_prompt_lookup_max={hi}")
+    if method and steps > 1:
+        raise ConfigError("option.num_scheduler_steps > 1 with speculative decoding: they do not compose yet; "
+                          "choose one")
+    return dict(speculative_method=method, num_speculative_tokens=cfg["option.num_speculative_tokens"],
+                speculative_model=draft, ngram_prompt_lookup_min=lo, ngram_prompt_lookup_max=hi,
+                num_scheduler_steps=steps)
 
 
 def served_model_name(cfg: ResolvedConfig, local_dir: str) -> str:

@@ -145,6 +145,16 @@ KEYS: tuple[Key, ...] = (
     Key("option.tgi_compat", boolean, False, "/invocations answers as TGI's POST / (an array, or TGI's SSE stream)"),
     Key("option.attention_backend", choice("auto", "torch", "flash_attn"), "auto",
         "paged attention kernels: flash_attn (CUDA with flash-attn installed), torch, or auto (the first that runs)"),
+    Key("option.speculative_method", choice("ngram", "draft"), None,
+        "paged engine: speculative decoding by n-gram prompt lookup or a draft model (unset: off; "
+        "option.speculative_model alone means draft)"),
+    Key("option.num_speculative_tokens", integer(1), 3, "tokens proposed per step with speculative decoding"),
+    Key("option.speculative_model", text, None,
+        "the draft model's directory (same tokenizer as the model; loaded at TP 1 on rank 0)"),
+    Key("option.ngram_prompt_lookup_min", integer(1), 1, "ngram speculation: the shortest suffix looked up"),
+    Key("option.ngram_prompt_lookup_max", integer(1), 4, "ngram speculation: the longest suffix looked up"),
+    Key("option.num_scheduler_steps", integer(1), 1,
+        "paged engine: decode steps run back to back per plan when every request decodes (multi-step)"),
     Key("option.max_new_tokens", integer(1), 30, "default max_new_tokens of a request"),
     Key("option.load_cache_dir", text, None,
         "directory for a load-optimised copy of each rank's weights: written on the first start, read on later "
@@ -167,22 +177,23 @@ ACCEPTED_UNUSED = frozenset({
 
 KEYS_BY_NAME = {k.name: k for k in KEYS}
 
-# DJL's alias for batch_size, and vLLM's engine-argument spellings of our keys (current LMI images
-# write these); an alias and its key both set to different values is an error.
+# DJL's alias for batch_size and lmi-dist's speculative keys, and vLLM's engine-argument spellings of
+# our keys (current LMI images write these); an alias and its key both set to different values is an error.
 KEY_ALIASES = {"max_dynamic_batch_size": "batch_size",
                "option.max_num_seqs": "option.max_rolling_batch_size",
-               "option.max_num_batched_tokens": "option.max_rolling_batch_prefill_tokens"}
+               "option.max_num_batched_tokens": "option.max_rolling_batch_prefill_tokens",
+               "option.speculative_draft_model": "option.speculative_model",
+               "option.speculative_length": "option.num_speculative_tokens"}
 
 # DJL and vLLM settings lmi-serve does not implement: ignored with a warning that says so, never
 # with a "did you mean" pointing at an unrelated key of ours.
 FOREIGN_KEYS = frozenset({
     "option.max_logprobs", "option.enable_chunked_prefill", "option.cpu_offload_gb_per_gpu", "option.cpu_offload_gb",
     "option.enable_lora", "option.max_loras", "option.max_lora_rank", "option.lora_extra_vocab_size",
-    "option.max_cpu_loras", "option.speculative_draft_model", "option.speculative_length",
-    "option.draft_model_tp_size", "option.record_acceptance_rate", "option.pipeline_parallel_degree",
+    "option.max_cpu_loras", "option.draft_model_tp_size", "option.record_acceptance_rate", "option.pipeline_parallel_degree",
     "option.decoding_strategy", "option.max_sparsity", "option.max_splits", "option.waiting_steps",
     "option.swap_space", "option.block_size", "option.seed", "option.tokenizer", "option.tokenizer_mode",
     "option.max_input_len", "option.max_output_len", "option.async_mode", "option.use_passive_workers",
     "option.image_placeholder_token", "option.enable_venv", "option.pythonExecutable",
-    "option.env", "option.handler", "option.max_seq_len_to_capture", "option.num_scheduler_steps",
+    "option.env", "option.handler", "option.max_seq_len_to_capture",
 })

@@ -119,6 +119,32 @@ def make_model(out_dir: str, arch: str = "llama", size: str = "tiny", seed: int 
     return card
 
 
+def make_draft(target_dir: str, out_dir: str, num_layers: int = 2) -> dict:
+    """A draft model for speculative decoding cut from a model: its embeddings, its first
+    `num_layers` decoder layers, its final norm and LM head, and its tokenizer (so the two agree on
+    every token id). Its guesses are the model's own early-exit guesses: a draft that often agrees."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype="auto")
+    total = model.config.num_hidden_layers
+    if not 1 <= num_layers < total:
+        raise ValueError(f"a draft of {target_dir} keeps 1 to {total - 1} of its {total} layers, not {num_layers}")
+    model.model.layers = torch.nn.ModuleList(list(model.model.layers)[:num_layers])
+    model.config.num_hidden_layers = num_layers
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = model.config.layer_types[:num_layers]
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    AutoTokenizer.from_pretrained(target_dir).save_pretrained(out_dir)
+    card = {"architecture": model.config.architectures[0], "draft_of": os.path.abspath(target_dir),
+            "num_hidden_layers": num_layers, "num_parameters": sum(p.numel() for p in model.parameters())}
+    with open(os.path.join(out_dir, "lmi_model_card.json"), "w", encoding="utf-8") as f:
+        json.dump(card, f, indent=2)
+    make_world_readable(out_dir)
+    return card
+
+
 def make_world_readable(out_dir: str) -> None:
     """safetensors writes the weights with mode 0600; the image serves as a non-root user, so a
     mounted model made here must be readable by others (0644 files, 0755 directories)."""

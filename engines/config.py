@@ -51,6 +51,13 @@ class SchedulerConfig(msgspec.Struct, frozen=True):
     cpu_compile: bool = False  # CPU: torch.compile the paged decode step
     compile_cache_dir: str | None = None  # TORCHINDUCTOR_CACHE_DIR
     attention_backend: str = "auto"  # auto | torch | flash_attn (engines/attention)
+    # paged engine: fewer forwards per token, no idle device (docs/paged.md)
+    speculative_method: str | None = None  # ngram | draft | None
+    num_speculative_tokens: int = 3
+    speculative_model: str | None = None  # draft: a local directory
+    ngram_prompt_lookup_min: int = 1
+    ngram_prompt_lookup_max: int = 4
+    num_scheduler_steps: int = 1
 
 
 class ParallelConfig(msgspec.Struct, frozen=True):

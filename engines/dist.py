@@ -49,6 +49,9 @@ class Communicator(Protocol):
     def gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
         """Rank 0: every rank's tensor concatenated along `dim`, in rank order; other ranks: None."""
 
+    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Rank 0's tensor on every rank (the others pass one of the same shape and dtype)."""
+
     def barrier(self) -> None:
         """Wait until every rank gets here (all ranks loaded: rank 0 may say ready)."""
 
@@ -70,6 +73,9 @@ class SingleProcess:
         return tensor
 
     def gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
+        return tensor
+
+    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 
     def barrier(self) -> None:
@@ -111,6 +117,11 @@ class MpiCommunicator:
         out = torch.empty((self.world_size, *buf.shape), dtype=torch.float32) if self.rank == 0 else None
         self.comm.Gather(buf.numpy(), out.numpy() if out is not None else None, root=0)
         return torch.cat(out.unbind(0), dim=dim).to(tensor.dtype) if out is not None else None
+
+    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        buf = tensor.detach().cpu().contiguous()
+        self.comm.Bcast(buf.numpy(), root=0)
+        return buf.to(tensor.device)
 
     def barrier(self) -> None:
         req = self.comm.Ibarrier()
@@ -168,6 +179,10 @@ class NcclCommunicator:
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)] if self.rank == 0 else None
         self._dist.gather(tensor.contiguous(), parts, dst=0)
         return torch.cat(parts, dim=dim) if parts is not None else None
+
+    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._dist.broadcast(tensor, src=0)
+        return tensor
 
     def barrier(self) -> None:
         self._plans.barrier()

@@ -18,6 +18,13 @@ ENGINE_METRICS = {
     "prefix_cache_hit_tokens": ("lmi_prefix_cache_hit_tokens", "prompt tokens found in the prefix cache", True),
     "prefix_cache_query_tokens": ("lmi_prefix_cache_query_tokens", "prompt tokens looked up", True),
     "preemptions": ("lmi_preemptions", "requests preempted (recomputed later)", True),
+    "spec_proposed_tokens": ("lmi_spec_decode_proposed_tokens", "tokens proposed by speculative decoding", True),
+    "spec_accepted_tokens": ("lmi_spec_decode_accepted_tokens", "proposed tokens the model accepted", True),
+    "spec_verifications": ("lmi_spec_decode_verifications", "request-steps that verified proposed tokens", True),
+    "spec_acceptance_rate": ("lmi_spec_decode_acceptance_rate", "accepted / proposed tokens", False),
+    "spec_mean_accepted_length": ("lmi_spec_decode_mean_accepted_length",
+                                  "tokens emitted per verification (accepted proposals + 1)", False),
+    "multi_step_runs": ("lmi_multi_step_runs", "plans that ran several decode steps back to back", True),
 }
 
 

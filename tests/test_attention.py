@@ -142,25 +142,25 @@ def test_the_runner_step_samples_what_the_padded_runner_computes_and_padding_cha
     tables = [[4 * i, 4 * i + 1, 4 * i + 2] for i in range(len(PROMPTS))]
     result = paged.execute(_plan(PROMPTS, tables))  # 49 tokens, padded to 56; the runner samples (greedy)
     assert result.request_ids == ["r0", "r1", "r2"]
-    assert result.sample.token_ids == expected.argmax(-1).tolist()
-    assert result.sample.log_probs == pytest.approx(expected.max(-1).values.tolist(), abs=1e-4)
+    assert [s.token_ids for s in result.samples] == [[t] for t in expected.argmax(-1).tolist()]
+    assert [s.log_probs[0] for s in result.samples] == pytest.approx(expected.max(-1).values.tolist(), abs=1e-4)
     # one decode step each, on a fresh runner without padding vs with it (3 tokens → bucket 4); the
-    # tokens sampled by the first step reach the runner's lists with the second plan
+    # runner appended the tokens sampled by the first step to its own lists
     outs = []
     for pad in (False, True):
         paged = PagedRunner(fp32_runner)
         paged.allocate(64, 16, 4, 1024)
         if not pad:  # buckets that fit exactly: the steps run at their own sizes
             paged.buckets, paged.backend.decode_buckets = [49], [3]
-        first = paged.execute(_plan(PROMPTS, tables))
-        plan = SchedulerOutput(sampled_token_ids=dict(zip(first.request_ids, first.sample.token_ids)))
+        paged.execute(_plan(PROMPTS, tables))
+        plan = SchedulerOutput()
         for i, p in enumerate(PROMPTS):
             plan.add(f"r{i}", 1)
         second = paged.execute(plan)
-        assert [len(paged.states[f"r{i}"].token_ids) for i in range(3)] == [len(p) + 1 for p in PROMPTS]
-        outs.append(second.sample)
-    assert outs[0].token_ids == outs[1].token_ids
-    assert outs[0].log_probs == pytest.approx(outs[1].log_probs, abs=1e-5)
+        assert [len(paged.states[f"r{i}"].token_ids) for i in range(3)] == [len(p) + 2 for p in PROMPTS]
+        outs.append(second.samples)
+    assert [s.token_ids for s in outs[0]] == [s.token_ids for s in outs[1]]
+    assert [s.log_probs[0] for s in outs[0]] == pytest.approx([s.log_probs[0] for s in outs[1]], abs=1e-5)
 
 
 def test_warm_up_runs_every_bucket(fp32_runner, monkeypatch):

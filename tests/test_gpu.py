@@ -44,8 +44,8 @@ def test_paged_step_on_cuda_matches_cpu(tiny_model):
             plan.new_requests.append(NewRequestData(f"r{i}", p, len(p), [4 * i, 4 * i + 1, 4 * i + 2], 0,
                                                     SamplingParams()))
             plan.add(f"r{i}", len(p))
-        sample = paged.execute(plan).sample
-        outs[device] = (sample.token_ids, torch.tensor(sample.log_probs))
+        samples = paged.execute(plan).samples
+        outs[device] = ([s.token_ids for s in samples], torch.tensor([s.log_probs for s in samples]))
     assert outs["cpu"][0] == outs["cuda"][0]
     assert torch.allclose(outs["cpu"][1], outs["cuda"][1], atol=1e-3)
 

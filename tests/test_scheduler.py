@@ -55,7 +55,7 @@ class FakeRunner:
         for p in range(s.num_computed_tokens):
             assert self.kv[self.slot(s, p)] == s.key(p), f"position {p}: wrong K/V"
 
-    def execute(self, plan: SchedulerOutput) -> dict[str, int]:
+    def execute(self, plan: SchedulerOutput) -> dict[str, list[int]]:
         for request_id in plan.finished_ids + plan.preempted_ids:
             del self.states[request_id]
         for new in plan.new_requests:
@@ -66,26 +66,59 @@ class FakeRunner:
         for cached in plan.cached_requests:
             s = self.states[cached.request_id]
             assert s.num_computed_tokens == cached.num_computed_tokens
-            s.block_ids += cached.new_block_ids
+            assert cached.first_block <= len(s.block_ids)
+            s.block_ids[cached.first_block:] = cached.new_block_ids
         sampled = {}
         for request_id, n in plan.num_scheduled_tokens.items():
             s = self.states[request_id]
+            if plan.num_steps > 1:  # n decode steps, each feeding its token to the next
+                assert n == plan.num_steps and s.num_computed_tokens == len(s.token_ids) - 1
+                assert request_id not in plan.spec_token_ids
+                assert s.num_computed_tokens + n <= len(s.block_ids) * self.block_size
+                sampled[request_id] = []
+                for _ in range(n):
+                    self.kv[self.slot(s, s.num_computed_tokens)] = s.key(s.num_computed_tokens)
+                    s.num_computed_tokens += 1
+                    self.check_reads(s)
+                    s.token_ids.append(fake_token(request_id, len(s.token_ids)))
+                    sampled[request_id].append(s.token_ids[-1])
+                continue
+            draft = plan.spec_token_ids.get(request_id, [])
             end = s.num_computed_tokens + n
-            assert 0 < n and end <= len(s.token_ids) and end <= len(s.block_ids) * self.block_size
-            for p in range(s.num_computed_tokens, s.num_computed_tokens + n):
-                self.kv[self.slot(s, p)] = s.key(p)
-            s.num_computed_tokens += n
-            if s.num_computed_tokens == len(s.token_ids):
-                self.check_reads(s)
-                token = fake_token(request_id, len(s.token_ids))
-                s.token_ids.append(token)
-                sampled[request_id] = token
+            assert 0 < n and end <= len(s.token_ids) + len(draft) and end <= len(s.block_ids) * self.block_size
+            assert not draft or s.num_computed_tokens == len(s.token_ids) - 1
+            key = None
+            for p in range(s.num_computed_tokens, end):  # speculated positions hold the draft's keys
+                key = s.key(p) if p < len(s.token_ids) else hash((key, draft[p - len(s.token_ids)]))
+                self.kv[self.slot(s, p)] = key
+            if end < len(s.token_ids):
+                s.num_computed_tokens = end
+                continue
+            s.num_computed_tokens = len(s.token_ids)
+            self.check_reads(s)
+            emitted = []  # the accepted draft tokens, then the model's own
+            for d in draft + [None]:
+                emitted.append(fake_token(request_id, len(s.token_ids) + len(emitted)))
+                if emitted[-1] != d:
+                    break
+            s.num_computed_tokens += len(emitted) - 1
+            s.token_ids += emitted
+            sampled[request_id] = emitted
         return sampled
 
 
-def make(num_blocks=64, block_size=4, seqs=8, tokens=64, model_len=256, caching=True):
+def propose(sched: Scheduler, k: int) -> None:
+    """A fake proposer: k guesses for each decoding request, right two times in three."""
+    for req in sched.running:
+        if k and req.num_tokens - req.num_computed_tokens == 1:
+            req.spec_token_ids = [fake_token(req.request_id, req.num_tokens + j)
+                                  if zlib.crc32(f"{req.request_id}/{req.num_tokens}/{j}".encode()) % 3 else VOCAB
+                                  for j in range(k)]
+
+
+def make(num_blocks=64, block_size=4, seqs=8, tokens=64, model_len=256, caching=True, steps=1):
     bm = BlockManager(num_blocks, block_size, caching)
-    return Scheduler(seqs, tokens, bm, model_len), FakeRunner(bm)
+    return Scheduler(seqs, tokens, bm, model_len, steps), FakeRunner(bm)
 
 
 def request(rid: str, prompt: list[int] | int, max_new=8, **sampling) -> Request:
@@ -94,10 +127,11 @@ def request(rid: str, prompt: list[int] | int, max_new=8, **sampling) -> Request
                    frozenset({EOS}), 0)
 
 
-def step(sched: Scheduler, runner: FakeRunner) -> tuple[SchedulerOutput, list[Request]]:
+def step(sched: Scheduler, runner: FakeRunner, k: int = 0) -> tuple[SchedulerOutput, list[Request]]:
+    propose(sched, k)
     plan = sched.schedule()
     assert plan.total_num_scheduled_tokens == sum(plan.num_scheduled_tokens.values())
-    assert plan.total_num_scheduled_tokens <= sched.max_num_batched_tokens
+    assert plan.total_num_scheduled_tokens <= sched.max_num_batched_tokens * plan.num_steps
     sched.check_invariants()
     produced = sched.update(plan, runner.execute(plan))
     sched.check_invariants()
@@ -323,11 +357,14 @@ def scenarios(draw):
     limits = {"block_size": block_size, "model_len": model_len, "caching": draw(st.booleans()),
               "seqs": draw(st.integers(1, 6)), "tokens": draw(st.integers(1, 40))}
     extra_blocks = draw(st.integers(0, 3))  # few: preemptions
-    return specs, limits, extra_blocks
+    # speculation (k guesses per decode, a third wrong: rollback) or multi-step (steps > 1), or neither
+    speed = draw(st.sampled_from([(0, 1), (1, 1), (3, 1), (5, 1), (0, 2), (0, 4), (0, 8)]))
+    return specs, limits, extra_blocks, speed
 
 
-def run_scenario(specs: list[Spec], limits: dict, num_blocks: int) -> tuple[dict[str, Request], Scheduler]:
-    sched, runner = make(num_blocks=num_blocks, **limits)
+def run_scenario(specs: list[Spec], limits: dict, num_blocks: int, k: int = 0,
+                 steps: int = 1) -> tuple[dict[str, Request], Scheduler]:
+    sched, runner = make(num_blocks=num_blocks, steps=steps, **limits)
     reqs: dict[str, Request] = {}
     for n in range(5_000):
         for spec in specs:
@@ -339,7 +376,7 @@ def run_scenario(specs: list[Spec], limits: dict, num_blocks: int) -> tuple[dict
                 sched.abort(spec.request_id)
         if not sched.has_unfinished and n > max(s.arrival for s in specs):
             break
-        plan, _ = step(sched, runner)
+        plan, _ = step(sched, runner, k)
         assert sched.num_running <= sched.max_num_seqs
         assert plan.total_num_scheduled_tokens > 0 or not sched.has_unfinished
     else:
@@ -357,11 +394,12 @@ def needed_blocks(spec: Spec, block_size: int, model_len: int) -> int:
 @settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_random_scenarios_keep_budgets_blocks_and_tokens(scenario):
-    specs, limits, extra_blocks = scenario
+    specs, limits, extra_blocks, (k, steps) = scenario
     bs, model_len = limits["block_size"], limits["model_len"]
     small = max(needed_blocks(s, bs, model_len) for s in specs) + extra_blocks
     huge = sum(needed_blocks(s, bs, model_len) for s in specs) + 1
-    (got, sched), (reference, _) = run_scenario(specs, limits, small), run_scenario(specs, limits, huge)
+    (got, sched), (reference, _) = run_scenario(specs, limits, small, k, steps), run_scenario(specs, limits, huge)
+    event(f"speculating {k}, steps {steps}")
     event(f"preempted: {sched.num_preemptions > 0}")
     event(f"prefix hit: {sched.block_manager.num_prefix_hit_tokens > 0}")
     event(f"aborted: {any(r.finish_reason == FINISH_ABORT for r in got.values())}")

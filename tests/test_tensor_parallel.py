@@ -187,3 +187,35 @@ def test_hf_model_id_with_sm_num_gpus_2_starts_a_tp2_mpi_engine(tiny_model, star
     prefill = lmi["details"]["prefill"]
     assert [t["id"] for t in prefill] == ids and prefill[0]["log_prob"] is None
     assert all(abs(t["log_prob"] - lp[i, ids[i + 1]].item()) < 1e-4 for i, t in enumerate(prefill[1:]))
+
+
+@pytest.mark.parametrize("speed", ["ngram", "draft", "multi_step"])
+def test_tp2_with_speculation_or_multi_step_equals_hf(tiny_model, start_server, hf, speed, tmp_path):
+    """Speculative decoding (the proposals and the tokens each verification emits reach rank 1 in the
+    step) and multi-step decode (rank 0's sampled tokens go to rank 1 between the steps) at TP=2:
+    greedy tokens are HF's under concurrency; a seeded sampled request reproduces itself."""
+    extra = {"ngram": "option.speculative_method=ngram\noption.num_speculative_tokens=3\n",
+             "multi_step": "option.num_scheduler_steps=4\n"}.get(speed)
+    if speed == "draft":
+        from container.model_maker import make_draft
+
+        make_draft(str(tiny_model), str(tmp_path / "draft"), num_layers=1)
+        extra = f"option.speculative_model={tmp_path / 'draft'}\noption.num_speculative_tokens=3\n"
+    server = start_server(properties("lmi-dist") + "option.max_rolling_batch_size=4\n" + extra, tiny_model)
+    wait_for(lambda: "rank 1 ready" in server.log(), 10, "rank 1's ready line")
+    prompts = PROMPTS + [p + " " + p for p in PROMPTS[:2]]  # repeated text: prompt lookup finds matches
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        bodies = list(pool.map(lambda p: server.post({"inputs": p, "parameters": {
+            "max_new_tokens": 20, "details": True}}).json(), prompts))
+    for prompt, body in zip(prompts, bodies):
+        assert ids_of(body) == hf(prompt, 20)
+    metrics = requests.get(f"{server.url}/metrics", timeout=10).text
+    if speed == "multi_step":
+        assert "lmi_multi_step_runs_total 0.0" not in metrics
+    else:
+        assert "lmi_spec_decode_accepted_tokens_total 0.0" not in metrics
+        assert "lmi_spec_decode_proposed_tokens_total" in metrics
+    params = {k: getattr(SAMPLED, k) for k in ("max_new_tokens", "do_sample", "temperature", "top_k", "seed")}
+    twice = [ids_of(server.post({"inputs": prompts[-1], "parameters": {**params, "details": True}}).json())
+             for _ in range(2)]
+    assert twice[0] == twice[1] and len(twice[0]) == SAMPLED.max_new_tokens

@@ -35,6 +35,9 @@ class SeqSlice:
     num_query_tokens: int
     context_len: int  # tokens in the cache once this step's are written (computed + scheduled)
     block_ids: list[int]
+    # a decode with proposed tokens to verify (speculative decoding): a backend may attend its few
+    # query tokens as decode rows (each with its own context length) instead of as a prefill chunk
+    speculative: bool = False
 
 
 class AttentionBackend(abc.ABC):

@@ -8,7 +8,9 @@ batched call: one index_select per layer gathers whole blocks of every decode's 
 already shaped [kv_heads, B, S, D] for the batched matmuls. Gathering blocks instead of slots moves the same bytes as block_size
 times fewer, longer rows (a 16-token block of 64-dim bf16 heads is one 2 KiB copy, not sixteen
 128-byte ones). Each prefill chunk attends on its own, causally within the chunk and to the
-context before it, with SDPA. One block past the cache's end is scratch: padding tokens write
+context before it, with SDPA. The few tokens of a decode with proposals to verify (speculative
+decoding) are decode rows, each with its own context length: one batched call, not a prefill each.
+One block past the cache's end is scratch: padding tokens write
 their K/V there.
 """
 
@@ -60,25 +62,25 @@ class TorchPagedBackend(AttentionBackend):
         real = sum(s.num_query_tokens for s in seqs)
         num_tokens = real if num_tokens is None else num_tokens
         slots: list[int] = []
-        decodes: list[SeqSlice] = []
+        decodes: list[tuple[int, int, list[int]]] = []  # (token index, context length, block ids) per decode row
         prefills = []
         for s in seqs:
             start = s.context_len - s.num_query_tokens
             slots += [s.block_ids[p // bs] * bs + p % bs for p in range(start, s.context_len)]
-            if s.num_query_tokens == 1:
-                decodes.append(s)
+            if s.num_query_tokens == 1 or s.speculative:  # a proposal's tokens: a decode row each
+                decodes += [(s.query_start + i, start + i + 1, s.block_ids) for i in range(s.num_query_tokens)]
             else:
                 nb = -(-s.context_len // bs)
                 prefills.append((s.query_start, s.num_query_tokens, s.context_len,
                                  torch.tensor(s.block_ids[:nb], dtype=torch.long, device=dev)))
         slots += [scratch * bs] * (num_tokens - real)
-        decode_only = bool(decodes) and len(decodes) == len(seqs) and all(s.query_start == i for i, s in enumerate(decodes))
-        rows = None if decode_only else torch.tensor([s.query_start for s in decodes], dtype=torch.long, device=dev)
+        decode_only = bool(decodes) and len(decodes) == real and all(row == i for i, (row, _, _) in enumerate(decodes))
+        rows = None if decode_only else torch.tensor([row for row, _, _ in decodes], dtype=torch.long, device=dev)
         num_rows = num_tokens if decode_only else bucket(self.decode_buckets, len(decodes))
-        nb = bucket(self.width_buckets, max((-(-s.context_len // bs) for s in decodes), default=1))
-        table = [s.block_ids[:nb] + [0] * (nb - len(s.block_ids[:nb])) for s in decodes]
+        nb = bucket(self.width_buckets, max((-(-ctx // bs) for _, ctx, _ in decodes), default=1))
+        table = [blocks[:nb] + [0] * (nb - len(blocks[:nb])) for _, _, blocks in decodes]
         table += [[scratch] + [0] * (nb - 1)] * (num_rows - len(decodes))
-        lens = [s.context_len for s in decodes] + [1] * (num_rows - len(decodes))
+        lens = [ctx for _, ctx, _ in decodes] + [1] * (num_rows - len(decodes))
         return TorchMetadata(torch.tensor(slots, dtype=torch.long, device=dev),
                              torch.tensor(table, dtype=torch.long, device=dev).view(num_rows, nb),
                              torch.tensor(lens, dtype=torch.long, device=dev), rows, tuple(prefills))

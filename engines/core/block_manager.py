@@ -140,6 +140,23 @@ class BlockManager:
             req.block_ids.append(self._take_free())
         return True
 
+    def num_new_blocks(self, req: Request, num_new_tokens: int) -> int:
+        """Blocks an allocate(req, num_new_tokens) would take (a running request)."""
+        return self._num_new_blocks(req, num_new_tokens, ())
+
+    def trim(self, req: Request, num_slots: int) -> None:
+        """Free the blocks at the end of the table past the first `num_slots` slots (speculated
+        tokens that were rejected: never full of verified tokens, so never in the prefix cache)."""
+        keep = self.num_blocks_for(num_slots)
+        for block_id in reversed(req.block_ids[keep:]):
+            block = self.blocks[block_id]
+            if block.hash is not None:
+                raise AssertionError(f"block {block_id} of {req.request_id} is cached but trimmed")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_blocks[block_id] = None
+        del req.block_ids[keep:]
+
     def append_slot(self, req: Request) -> bool:
         """Room for one more token (a decode step)."""
         return self.allocate(req, 1)

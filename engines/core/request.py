@@ -33,6 +33,8 @@ class Request:
         # (prefix hash of the first block it computes, the position that block ends at): while a
         # running request is short of it, a waiting one with the same next block waits for the cache
         self.prefix_probe: tuple[int, int] | None = None
+        # speculative decoding: the proposer's guesses of the next tokens, verified by the next step
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -59,6 +61,12 @@ class Request:
     @property
     def num_remaining_tokens(self) -> int:
         return self.sampling.max_new_tokens - self.num_generated_tokens
+
+    @property
+    def can_speculate(self) -> bool:
+        """Penalties depend on every token before the one sampled: those requests decode one at a time."""
+        sp = self.sampling
+        return sp.repetition_penalty == 1.0 and not sp.has_output_penalties
 
     @property
     def is_finished(self) -> bool:

@@ -12,6 +12,16 @@ chunked to what the budget leaves (1 for a decoding request).
                 reached the end of its tokens
     update()    advances num_computed_tokens, appends the sampled tokens, retires finished requests
 
+Speculative decoding: a decoding request with proposed tokens (req.spec_token_ids, set by the
+engine's proposer before schedule) computes 1 + k tokens; the runner verifies them and returns the
+accepted ones plus one; update() keeps the K/V of the verified tokens only and trims the blocks
+that held rejected ones (they were never registered in the prefix cache: only blocks full of
+verified tokens are).
+
+Multi-step (num_scheduler_steps n > 1): when every running request is decoding and none waits, one
+plan runs up to n decode steps back to back (num_steps), with each request's slots for them
+allocated up front; update() cuts the tokens past a stop.
+
 The plan says only what changed: requests new to the runner (or back after a preemption) in full,
 others as the block ids appended since the last plan.
 """
@@ -44,8 +54,9 @@ class CachedRequestData:
     """A request the runner knows: the block ids appended to its table since the last plan."""
 
     request_id: str
-    new_block_ids: list[int]
+    new_block_ids: list[int]  # the block table from index first_block on
     num_computed_tokens: int  # before this step's tokens
+    first_block: int = 0  # blocks kept from the last plan (fewer when speculation trimmed the table)
 
 
 @dataclass
@@ -56,7 +67,10 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int = 0
     preempted_ids: list[str] = field(default_factory=list)  # drop their state: they come back as new
     finished_ids: list[str] = field(default_factory=list)  # finished or aborted since the last plan
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)  # last step's tokens, for the runners' lists
+    # last step's tokens that the scheduler kept, for the runners' lists
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # request id -> proposed tokens to verify
+    num_steps: int = 1  # > 1: a multi-step decode, each request computing 1 token per step
 
     def add(self, request_id: str, num_tokens: int) -> None:
         self.num_scheduled_tokens[request_id] = num_tokens
@@ -65,9 +79,11 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, block_manager: BlockManager,
-                 max_model_len: int):
-        if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_model_len < 1:
-            raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must be positive")
+                 max_model_len: int, num_scheduler_steps: int = 1):
+        if min(max_num_seqs, max_num_batched_tokens, max_model_len, num_scheduler_steps) < 1:
+            raise ValueError("max_num_seqs, max_num_batched_tokens, max_model_len and num_scheduler_steps "
+                             "must be positive")
+        self.num_scheduler_steps = num_scheduler_steps
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.block_manager = block_manager
@@ -121,28 +137,46 @@ class Scheduler:
         self._retire(req)
         return req
 
+    def spec_room(self, req: Request) -> int:
+        """How many proposed tokens the request can verify: it may still emit them and one more."""
+        return max(0, min(req.num_remaining_tokens, self.max_model_len - req.num_tokens) - 1)
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_ids=self._finished_ids)
         self._finished_ids = []
+        if self.num_scheduler_steps > 1 and self._schedule_multi_step(out):
+            return out
         budget = self._schedule_running(out)
         if not out.preempted_ids:
             self._schedule_waiting(out, budget)
         return out
 
-    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Apply a step's results (sampled: request id -> token); return the requests that got a token."""
+    def update(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+        """Apply a step's results (sampled: request id -> its new tokens); return the requests that
+        got tokens, each with the ones kept (cut after a stop) as its last output tokens."""
         produced: list[Request] = []
+        bm = self.block_manager
         for request_id, num_tokens in output.num_scheduled_tokens.items():
             req = self.requests.get(request_id)
             if req is None or req.status is not Status.RUNNING:
                 continue  # aborted or preempted since the plan was made
-            req.num_computed_tokens += num_tokens
-            self.block_manager.cache_full_blocks(req, req.num_computed_tokens)
-            if req.num_computed_tokens < req.num_tokens:
-                continue  # mid-prefill: its logits are not wanted
-            req.append_token(sampled[request_id])
-            if not req.is_finished and req.num_tokens >= self.max_model_len:
-                req.finish(FINISH_LENGTH)
+            req.spec_token_ids = []
+            if req.num_computed_tokens + num_tokens < req.num_tokens:
+                req.num_computed_tokens += num_tokens  # mid-prefill: its logits are not wanted
+                bm.cache_full_blocks(req, req.num_computed_tokens)
+                continue
+            for token in sampled[request_id]:
+                req.append_token(token)
+                if not req.is_finished and req.num_tokens >= self.max_model_len:
+                    req.finish(FINISH_LENGTH)
+                if req.is_finished:
+                    break  # tokens past a stop (multi-step, speculation) are cut
+            # K/V hold every token but the last sampled: speculated positions past it are dropped
+            req.num_computed_tokens = req.num_tokens - 1
+            bm.cache_full_blocks(req, req.num_computed_tokens)
+            if request_id in output.spec_token_ids and not req.is_finished:
+                bm.trim(req, req.num_tokens)
+                self._num_blocks_sent[request_id] = min(self._num_blocks_sent[request_id], len(req.block_ids))
             produced.append(req)
         finished = [r for r in produced if r.is_finished]
         if finished:
@@ -166,14 +200,43 @@ class Scheduler:
         for req in self.running:
             if len(req.block_ids) * bm.block_size < req.num_computed_tokens:
                 raise AssertionError(f"{req.request_id}: computed tokens outside its blocks")
+            if bm.num_blocks_for(self.max_num_slots(req)) < len(req.block_ids):
+                raise AssertionError(f"{req.request_id}: holds more blocks than it can ever fill")
+
+    def _schedule_multi_step(self, out: SchedulerOutput) -> bool:
+        """Every running request decodes up to num_scheduler_steps tokens in one plan, when none waits
+        (a prefill or an arrival goes back to single steps, so that it does not wait for the run),
+        none speculates and the blocks for all of them are free. False: schedule as usual."""
+        running, bm = self.running, self.block_manager
+        if self.waiting or not running or any(r.num_tokens - r.num_computed_tokens != 1 or r.spec_token_ids
+                                               for r in running):
+            return False
+        # no request may go past its max_new_tokens or the model length: no slot beyond what it can hold
+        n = min([self.num_scheduler_steps] + [min(r.num_remaining_tokens, self.max_model_len - r.num_tokens)
+                                              for r in running])
+        if n < 2 or sum(bm.num_new_blocks(r, n) for r in running) > bm.num_free_blocks:
+            return False
+        for req in running:
+            if not bm.allocate(req, n):
+                raise AssertionError(f"{req.request_id}: the blocks counted free were not")
+            self._record(req, n, out)
+        out.num_steps = n
+        return True
 
     def _schedule_running(self, out: SchedulerOutput) -> int:
         budget = self.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_uncomputed = req.num_tokens - req.num_computed_tokens
+            # proposed tokens (a decoding request only) within what it may emit and the budget
+            req.spec_token_ids = req.spec_token_ids[:max(0, min(self.spec_room(req), budget - num_uncomputed))]
+            num_new = min(num_uncomputed + len(req.spec_token_ids), budget)
             while not self.block_manager.allocate(req, num_new):
+                if req.spec_token_ids:  # speculation gives way before anyone is preempted
+                    num_new -= len(req.spec_token_ids)
+                    req.spec_token_ids = []
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim, out)
                 if victim is req:
@@ -218,13 +281,16 @@ class Scheduler:
                                                    list(req.block_ids), req.num_computed_tokens, req.sampling))
         else:
             out.cached_requests.append(CachedRequestData(req.request_id, req.block_ids[num_sent:],
-                                                         req.num_computed_tokens))
+                                                         req.num_computed_tokens, num_sent))
         self._num_blocks_sent[req.request_id] = len(req.block_ids)
+        if req.spec_token_ids:
+            out.spec_token_ids[req.request_id] = list(req.spec_token_ids)
         out.add(req.request_id, num_tokens)
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.block_manager.free(req)
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         req.status = Status.WAITING
         self.waiting.appendleft(req)

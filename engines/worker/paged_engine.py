@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import logging
 
+import msgspec
+
 from engines.attention.base import select_backend
 from engines.config import LmiConfig, model_max_len
 from engines.core.block_manager import BlockManager
 from engines.core.request import Request
 from engines.core.scheduler import Scheduler
+from engines.core.spec import NgramProposer
 from engines.startup import TIMELINE
 from engines.protocol import STATE_READY, Add, HealthReply, Output
 from engines.dist import SingleProcess
@@ -30,9 +33,11 @@ class PagedEngine(EngineLoop):
         super().__init__(config, publish, comm or SingleProcess())
         self.max_model_len = model_max_len(config.model.local_dir, config.model.max_model_len)
         self.runner = ModelRunner(config.model, self.max_model_len, self.comm)
-        self._sampled: dict[str, int] = {}  # last step's tokens: the next plan carries them to the runners
         self._prompt = PromptLogprobBuffer()
         self._arrivals = 0
+        self.proposer = None  # speculative decoding (engines/core/spec.py, engines/worker/draft.py)
+        self.spec = SpecStats()
+        self.num_multi_steps = 0  # plans that ran more than one decode step
 
     def load(self) -> None:
         self.runner.load()
@@ -52,11 +57,34 @@ class PagedEngine(EngineLoop):
             self.paged.call(WarmUpBuckets())
         log.info("decode steps: %s (%s)", decode_mode, why)
         self.blocks = BlockManager(num_blocks, block_size, sched.enable_prefix_caching)
-        self.scheduler = Scheduler(sched.max_num_seqs, sched.max_num_batched_tokens, self.blocks, self.max_model_len)
+        self.scheduler = Scheduler(sched.max_num_seqs, sched.max_num_batched_tokens, self.blocks, self.max_model_len,
+                                   sched.num_scheduler_steps)
+        self.paged.target.interrupted = self._arrived  # rank 0 ends a multi-step decode for an arrival
+        self.proposer = self._make_proposer(block_size)
         log.info("paged KV cache: %d blocks of %d tokens = %d tokens, %d bytes; attention backend %s; "
                  "prefix caching %s; max_num_seqs %d, max_num_batched_tokens %d", num_blocks, block_size,
                  num_blocks * block_size, num_blocks * block_bytes, self.paged.backend.name,
                  "on" if sched.enable_prefix_caching else "off", sched.max_num_seqs, sched.max_num_batched_tokens)
+
+    def _make_proposer(self, block_size: int):
+        sched = self.config.scheduler
+        k = sched.num_speculative_tokens
+        if sched.speculative_method == "ngram":
+            log.info("speculative decoding: n-gram prompt lookup (%d to %d tokens), %d tokens proposed per step",
+                     sched.ngram_prompt_lookup_min, sched.ngram_prompt_lookup_max, k)
+            return NgramProposer(k, sched.ngram_prompt_lookup_min, sched.ngram_prompt_lookup_max)
+        if sched.speculative_method == "draft":
+            from engines.worker.draft import DraftProposer
+
+            draft = msgspec.structs.replace(self.config.model, local_dir=sched.speculative_model, model_id=None,
+                                            load_cache_dir=None)
+            with TIMELINE.phase("draft_model"):
+                return DraftProposer(draft, k, self.max_model_len, sched.max_num_seqs, sched.max_num_batched_tokens,
+                                     block_size, sched.attention_backend, self.runner.model.lm_head.vocab_size)
+        return None
+
+    def _arrived(self) -> bool:
+        return not self.inbox.empty()
 
     def _decode_mode(self) -> tuple[str, str]:
         """How decode steps run, and why (one log line)."""
@@ -101,7 +129,8 @@ class PagedEngine(EngineLoop):
                 "prefix_cache_hit_rate": bm.prefix_hit_rate, "prefix_cache_hit_tokens": bm.num_prefix_hit_tokens,
                 "prefix_cache_query_tokens": bm.num_prefix_queries_tokens,
                 "preemptions": sched.num_preemptions, "running": sched.num_running,
-                "waiting": sched.num_waiting, "steps": self.num_steps}
+                "waiting": sched.num_waiting, "steps": self.num_steps, "multi_step_runs": self.num_multi_steps,
+                **self.spec.metrics()}
 
     def stop_ranks(self) -> None:
         self.paged.stop()
@@ -124,12 +153,27 @@ class PagedEngine(EngineLoop):
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
         self._prompt.drop(request_id)
+        if self.proposer is not None:
+            self.proposer.drop(request_id)
+
+    def _propose(self) -> None:
+        """Speculative decoding: guesses for every decoding request that can take them."""
+        sched = self.scheduler
+        reqs = [r for r in sched.running if r.num_tokens - r.num_computed_tokens == 1 and r.can_speculate]
+        rooms = [min(self.proposer.num_tokens, sched.spec_room(r)) for r in reqs]
+        for req, guess in zip(reqs, (self.proposer.propose(reqs, rooms)[r.request_id] for r in reqs)):
+            req.spec_token_ids = guess
 
     def step(self) -> None:
-        """One message crosses the ranks per step: the plan, carrying last step's sampled tokens."""
+        """One message crosses the ranks per step: the plan (the emitted tokens reach the other
+        ranks' lists within the step)."""
         self.num_steps += 1
+        if self.proposer is not None:
+            self._propose()
         plan = self.scheduler.schedule()
-        plan.sampled_token_ids, self._sampled = self._sampled, {}
+        if self.proposer is not None:
+            for rid in plan.preempted_ids:
+                self.proposer.drop(rid)
         if not plan.total_num_scheduled_tokens:  # nothing fits now: still hand over what finished
             self.paged.call(ApplyPlan(plan))
             self.scheduler.update(plan, {})
@@ -139,25 +183,52 @@ class PagedEngine(EngineLoop):
         except Exception as exc:
             victims = list(plan.num_scheduled_tokens)
             for rid in victims:
-                self.scheduler.abort(rid)
-                self._prompt.drop(rid)
+                self.abort(rid)
             self.fail_step(victims, exc)
             return
-        rids, sample = (result.request_ids, result.sample) if result else ([], None)
+        rids, samples = (result.request_ids, result.samples) if result else ([], [])
         for rid, part in (result.prompt.items() if result else ()):
             self._prompt.add(rid, part, self.scheduler.requests[rid].num_prompt_tokens)
-        self._sampled = dict(zip(rids, sample.token_ids)) if sample else {}
-        updated = self.scheduler.update(plan, self._sampled)
+        sampled = {rid: s.token_ids for rid, s in zip(rids, samples)}
+        before = {rid: self.scheduler.requests[rid].num_generated_tokens for rid in rids}
+        self.spec.count(plan.spec_token_ids, sampled)
+        self.num_multi_steps += plan.num_steps > 1
+        updated = self.scheduler.update(plan, sampled)
         index = {rid: i for i, rid in enumerate(rids)}
         outputs = []
         for req in updated:
-            i = index[req.request_id]
-            top = [sample.top_tokens[i]] if req.sampling.top_n_tokens else []
+            s = samples[index[req.request_id]]
+            kept = req.num_generated_tokens - before[req.request_id]  # tokens past a stop are cut
+            top = s.top_tokens[:kept] if req.sampling.top_n_tokens else []
             prompt_lp, prompt_top = self._prompt.take(req) if req.sampling.prompt_logprobs else (None, None)
-            outputs.append(Output(req.request_id, [sample.token_ids[i]], [sample.log_probs[i]], top,
+            outputs.append(Output(req.request_id, s.token_ids[:kept], s.log_probs[:kept], top,
                                   req.is_finished, req.finish_reason, prompt_log_probs=prompt_lp,
                                   prompt_top_tokens=prompt_top))
+            if req.is_finished and self.proposer is not None:
+                self.proposer.drop(req.request_id)
         self.publish(outputs)
+
+
+class SpecStats:
+    """Speculative decoding counters for /metrics: proposed and accepted tokens, verifications."""
+
+    def __init__(self):
+        self.proposed = self.accepted = self.verifications = 0
+
+    def count(self, proposals: dict[str, list[int]], emitted: dict[str, list[int]]) -> None:
+        for rid, draft in proposals.items():
+            if rid in emitted:
+                self.verifications += 1
+                self.proposed += len(draft)
+                self.accepted += len(emitted[rid]) - 1  # the last is the model's own token
+
+    def metrics(self) -> dict[str, float]:
+        n = self.verifications
+        return {"spec_proposed_tokens": self.proposed, "spec_accepted_tokens": self.accepted,
+                "spec_verifications": n,
+                "spec_acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
+                # tokens a verification emits on average: accepted proposals plus the model's own
+                "spec_mean_accepted_length": (self.accepted + n) / n if n else 0.0}
 
 
 class PromptLogprobBuffer:

@@ -93,6 +93,17 @@ class Sampler:
     def sample(self, logits: torch.Tensor, request_ids: list[str]) -> SampleResult:
         """logits: [B, V] float32, row i for request_ids[i] → one token per row; each request's
         penalty state then counts its token."""
+        chosen, chosen_lp, top = self.sample_on_device(logits, request_ids)
+        return SampleResult(chosen.tolist(), chosen_lp.tolist(), to_top_lists(top, self._top_ns(request_ids)))
+
+    def _top_ns(self, request_ids: list[str]) -> list[int]:
+        return [self._states[rid].params.top_n_tokens for rid in request_ids]
+
+    @torch.inference_mode()
+    def sample_on_device(self, logits: torch.Tensor, request_ids: list[str]):
+        """`sample` without leaving the device: → (token ids [B], their log-probs [B], (top ids, top
+        log-probs) [B, n] or None), so that a multi-step decode feeds the tokens to its next step
+        with no host round trip."""
         states = [self._states[rid] for rid in request_ids]
         params = [s.params for s in states]
         vocab = logits.shape[1]
@@ -113,19 +124,65 @@ class Sampler:
             chosen[sampled_rows] = (probs / noise).argmax(dim=-1)
         chosen_lp = log_probs.gather(1, chosen.view(-1, 1)).view(-1)
         top_n = max(p.top_n_tokens for p in params)
-        top: list[list[tuple[int, float]]] = [[] for _ in params]
-        if top_n:
-            values, ids = log_probs.topk(top_n, dim=-1)
-            for i, p in enumerate(params):
-                n = p.top_n_tokens
-                top[i] = list(zip(ids[i, :n].tolist(), values[i, :n].tolist()))
-        token_ids = chosen.tolist()
-        for s, tok in zip(states, token_ids):
+        top = log_probs.topk(top_n, dim=-1) if top_n else None
+        for i, s in enumerate(states):
             if s.seen is not None:
-                s.seen[tok] = True
+                s.seen[chosen[i]] = True
             if s.counts is not None:
-                s.counts[tok] += 1
-        return SampleResult(token_ids, chosen_lp.tolist(), top)
+                s.counts[chosen[i]] += 1
+        return chosen, chosen_lp, (top.indices, top.values) if top is not None else None
+
+    @torch.inference_mode()
+    def verify(self, logits: torch.Tensor, request_ids: list[str], drafts: list[list[int]]) -> list[SampleResult]:
+        """Speculative decoding: logits [sum(len(d) + 1), V], request i's rows at its last token
+        and at each of its proposed tokens drafts[i] → per request the tokens it emits (one
+        SampleResult each): the accepted proposals and one more.
+
+        Greedy: the longest prefix of the proposal that equals the model's argmax, then the argmax
+        after it (the same tokens as decoding one at a time). Sampling: the rejection scheme of
+        speculative sampling for a proposal that is one token, not a distribution (prompt lookup,
+        a greedy draft model): proposal d at a row with distribution p is accepted with probability
+        p(d); on rejection the token is drawn from p without d, renormalised; after k acceptances a
+        last token is drawn from p. Each emitted token is then distributed exactly as p, and the
+        draws come from the request's own generator (a seed reproduces). No penalties here: the
+        engine does not speculate for requests with penalties (Request.can_speculate)."""
+        states = [self._states[rid] for rid in request_ids]
+        row_params = [s.params for s, d in zip(states, drafts) for _ in range(len(d) + 1)]
+        sampled_rows = [i for i, p in enumerate(row_params) if p.do_sample]
+        if sampled_rows:
+            logits = logits.clone()
+            logits[sampled_rows] = _warp(logits[sampled_rows], [row_params[i] for i in sampled_rows])
+        log_probs = torch.log_softmax(logits, dim=-1)  # [R, V]
+        best = log_probs.argmax(dim=-1).tolist()
+        results: list[SampleResult] = []
+        row = 0
+        for s, draft in zip(states, drafts):
+            tokens: list[int] = []
+            if not s.params.do_sample:
+                while len(tokens) < len(draft) and draft[len(tokens)] == best[row + len(tokens)]:
+                    tokens.append(draft[len(tokens)])
+                tokens.append(best[row + len(tokens)])
+            else:
+                g = s.generator
+                for j, d in enumerate(draft + [None]):
+                    lp = log_probs[row + j]
+                    if d is not None and torch.rand((), generator=g, device=self.device) < lp[d].exp():
+                        tokens.append(d)
+                        continue
+                    if d is not None:
+                        lp = lp.clone()
+                        lp[d] = float("-inf")
+                    noise = torch.empty(lp.shape[0], device=self.device).exponential_(generator=g)
+                    tokens.append(int((lp.exp() / noise).argmax()))
+                    break
+            rows = log_probs[row:row + len(tokens)]
+            index = torch.tensor(tokens, device=self.device).view(-1, 1)
+            n = s.params.top_n_tokens
+            top = rows.topk(n, dim=-1) if n else None
+            results.append(SampleResult(tokens, rows.gather(1, index).view(-1).tolist(),
+                                        to_top_lists((top.indices, top.values) if n else None, [n] * len(tokens))))
+            row += len(draft) + 1
+        return results
 
     def _materialise(self, s: _RequestState, vocab: int) -> None:
         prompt, output = s.pending
@@ -137,6 +194,14 @@ class Sampler:
             s.counts = torch.zeros(vocab, dtype=torch.float32, device=self.device)
             ids = torch.tensor(output, dtype=torch.long, device=self.device)
             s.counts.index_add_(0, ids, torch.ones(len(output), device=self.device))
+
+
+def to_top_lists(top: tuple[torch.Tensor, torch.Tensor] | None, top_ns: list[int]) -> list[list[tuple[int, float]]]:
+    """(ids [B, n], log-probs [B, n]) → per row its first top_ns[row] (id, log-prob) pairs."""
+    if top is None:
+        return [[] for _ in top_ns]
+    ids, values = top[0].tolist(), top[1].tolist()
+    return [list(zip(i[:n], v[:n])) for i, v, n in zip(ids, values, top_ns)]
 
 
 def _apply_penalties(logits: torch.Tensor, states: list[_RequestState]) -> torch.Tensor:
