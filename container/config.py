@@ -286,7 +286,7 @@ def speed_settings(cfg: ResolvedConfig, kind: str) -> dict:
                           "choose one")
     return dict(speculative_method=method, num_speculative_tokens=cfg["option.num_speculative_tokens"],
                 speculative_model=draft, ngram_prompt_lookup_min=lo, ngram_prompt_lookup_max=hi,
-                num_scheduler_steps=steps)
+                num_scheduler_steps=steps, async_scheduling=cfg["option.async_scheduling"])
 
 
 def served_model_name(cfg: ResolvedConfig, local_dir: str) -> str:

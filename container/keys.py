@@ -155,6 +155,8 @@ KEYS: tuple[Key, ...] = (
     Key("option.ngram_prompt_lookup_max", integer(1), 4, "ngram speculation: the longest suffix looked up"),
     Key("option.num_scheduler_steps", integer(1), 1,
         "paged engine: decode steps run back to back per plan when every request decodes (multi-step)"),
+    Key("option.async_scheduling", boolean, True,
+        "paged engine: schedule the next step while this one runs (off with speculative decoding and multi-step)"),
     Key("option.max_new_tokens", integer(1), 30, "default max_new_tokens of a request"),
     Key("option.load_cache_dir", text, None,
         "directory for a load-optimised copy of each rank's weights: written on the first start, read on later "

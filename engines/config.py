@@ -58,6 +58,7 @@ class SchedulerConfig(msgspec.Struct, frozen=True):
     ngram_prompt_lookup_min: int = 1
     ngram_prompt_lookup_max: int = 4
     num_scheduler_steps: int = 1
+    async_scheduling: bool = True  # the next step scheduled while this one runs (docs/paged.md)
 
 
 class ParallelConfig(msgspec.Struct, frozen=True):

@@ -138,3 +138,32 @@ def test_greedy_with_cuda_graphs_equals_enforce_eager(tiny_model):
             engine.step()
         results[eager] = outputs
     assert results[False] == results[True]
+
+
+@pytest.mark.parametrize("sched", [dict(speculative_method="ngram", num_speculative_tokens=3),
+                                   dict(speculative_method="draft", speculative_model="self", num_speculative_tokens=3),
+                                   dict(num_scheduler_steps=4), dict(async_scheduling=True),
+                                   dict(async_scheduling=False)], ids=["ngram", "draft", "multi_step", "async", "sync"])
+def test_speculation_multi_step_and_async_on_cuda_give_hf_greedy_tokens(tiny_model, hf, sched):
+    """The CUDA paths: verification rows through the CUDA backend, a multi-step run replaying the
+    decode graphs with the sampled ids fed on the device, the step thread with CUDA graphs."""
+    from engines.protocol import Add
+
+    if sched.get("speculative_model") == "self":
+        sched = dict(sched, speculative_model=str(tiny_model))
+    engine = _paged_engine(tiny_model, **sched)
+    outputs: dict[str, list[int]] = {}
+    engine.publish = lambda outs: [outputs.setdefault(o.request_id, []).extend(o.token_ids) for o in outs]
+    prompts = [[1] + [5, 6, 7, 8] * 3 + list(range(10 + i, 20 + 3 * i)) for i in range(6)]
+    for i, p in enumerate(prompts):  # joining one by one: decode buckets 1, 2, 4, 8
+        engine.add(Add(f"r{i}", p, SamplingParams(max_new_tokens=16)))
+        engine.step()
+    while engine.has_work():
+        engine.step()
+    for i, p in enumerate(prompts):
+        assert outputs[f"r{i}"] == hf(p, 16), i
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    if "num_scheduler_steps" in sched:
+        assert engine.num_multi_steps > 0 and engine.paged.target.decode_mode == "cuda_graphs"
+    if "speculative_method" in sched:
+        assert engine.metrics()["spec_accepted_tokens"] > 0

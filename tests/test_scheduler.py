@@ -357,15 +357,18 @@ def scenarios(draw):
     limits = {"block_size": block_size, "model_len": model_len, "caching": draw(st.booleans()),
               "seqs": draw(st.integers(1, 6)), "tokens": draw(st.integers(1, 40))}
     extra_blocks = draw(st.integers(0, 3))  # few: preemptions
-    # speculation (k guesses per decode, a third wrong: rollback) or multi-step (steps > 1), or neither
-    speed = draw(st.sampled_from([(0, 1), (1, 1), (3, 1), (5, 1), (0, 2), (0, 4), (0, 8)]))
+    # speculation (k guesses per decode, a third wrong: rollback), multi-step (steps > 1), async
+    # scheduling (plan k + 1 made before update(k)), or none
+    speed = draw(st.sampled_from([(0, 1, False), (1, 1, False), (3, 1, False), (5, 1, False), (0, 2, False),
+                                  (0, 4, False), (0, 8, False), (0, 1, True)]))
     return specs, limits, extra_blocks, speed
 
 
-def run_scenario(specs: list[Spec], limits: dict, num_blocks: int, k: int = 0,
-                 steps: int = 1) -> tuple[dict[str, Request], Scheduler]:
+def run_scenario(specs: list[Spec], limits: dict, num_blocks: int, k: int = 0, steps: int = 1,
+                 pipelined: bool = False) -> tuple[dict[str, Request], Scheduler]:
     sched, runner = make(num_blocks=num_blocks, steps=steps, **limits)
     reqs: dict[str, Request] = {}
+    in_flight = None  # async scheduling: (plan, its results) not yet applied
     for n in range(5_000):
         for spec in specs:
             if spec.arrival == n:
@@ -376,9 +379,20 @@ def run_scenario(specs: list[Spec], limits: dict, num_blocks: int, k: int = 0,
                 sched.abort(spec.request_id)
         if not sched.has_unfinished and n > max(s.arrival for s in specs):
             break
-        plan, _ = step(sched, runner, k)
+        if pipelined:  # the runner runs plans in order; update(k) comes after schedule(k + 1)
+            plan = sched.schedule()
+            sched.check_invariants()
+            results = runner.execute(plan)
+            if in_flight is not None:
+                sched.update(*in_flight)
+                sched.check_invariants()
+            in_flight = None if not sched.has_unfinished else (plan, results)
+            if in_flight is None:
+                sched.update(plan, results)
+        else:
+            plan, _ = step(sched, runner, k)
+            assert plan.total_num_scheduled_tokens > 0 or not sched.has_unfinished
         assert sched.num_running <= sched.max_num_seqs
-        assert plan.total_num_scheduled_tokens > 0 or not sched.has_unfinished
     else:
         raise AssertionError("the scenario did not finish")
     assert sched.block_manager.num_free_blocks == num_blocks and not sched.running and not sched.waiting
@@ -394,12 +408,13 @@ def needed_blocks(spec: Spec, block_size: int, model_len: int) -> int:
 @settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_random_scenarios_keep_budgets_blocks_and_tokens(scenario):
-    specs, limits, extra_blocks, (k, steps) = scenario
+    specs, limits, extra_blocks, (k, steps, pipelined) = scenario
     bs, model_len = limits["block_size"], limits["model_len"]
     small = max(needed_blocks(s, bs, model_len) for s in specs) + extra_blocks
     huge = sum(needed_blocks(s, bs, model_len) for s in specs) + 1
-    (got, sched), (reference, _) = run_scenario(specs, limits, small, k, steps), run_scenario(specs, limits, huge)
-    event(f"speculating {k}, steps {steps}")
+    (got, sched), (reference, _) = run_scenario(specs, limits, small, k, steps, pipelined), \
+        run_scenario(specs, limits, huge)
+    event(f"speculating {k}, steps {steps}, async {pipelined}")
     event(f"preempted: {sched.num_preemptions > 0}")
     event(f"prefix hit: {sched.block_manager.num_prefix_hit_tokens > 0}")
     event(f"aborted: {any(r.finish_reason == FINISH_ABORT for r in got.values())}")

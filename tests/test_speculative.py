@@ -1,8 +1,9 @@
-"""Speculative decoding (n-gram prompt lookup, a draft model) and multi-step decode in the paged
-engine: greedy output equals HF `generate` for every proposer, k and step count, with requests
-arriving mid-flight, chunked prefill and preemption; every KV block (the model's and the draft's)
-is free after each run; seeded sampling with speculation reproduces itself, and its tokens follow
-the model's distribution (chi-square against sampling without speculation)."""
+"""Fewer forwards per token and no idle device in the paged engine: speculative decoding (n-gram
+prompt lookup, a draft model), multi-step decode and async scheduling. Greedy output equals HF
+`generate` for every proposer, k, step count and scheduling mode, with requests arriving
+mid-flight, chunked prefill and preemption; every KV block (the model's and the draft's) is free
+after each run; seeded sampling with speculation reproduces itself, and its tokens follow the
+model's distribution (chi-square against sampling without speculation)."""
 
 from __future__ import annotations
 
@@ -114,7 +115,7 @@ def test_speculation_and_multi_step_under_chunked_prefill_and_preemption(tiny_mo
     small = dict(kv_cache_memory=str(12 * 16 * KV_TOKEN_BYTES), max_num_batched_tokens=16)
     for sched in (dict(speculative_method="ngram", num_speculative_tokens=5),
                   dict(speculative_method="draft", speculative_model=drafts["derived"], num_speculative_tokens=3),
-                  dict(num_scheduler_steps=8)):
+                  dict(num_scheduler_steps=8), dict(async_scheduling=True), dict(async_scheduling=False)):
         engine = make_engine(tiny_model, **small, **sched)
         outs = drive(engine, [(f"g{i}", p, SamplingParams(max_new_tokens=40, ignore_eos=True))
                               for i, p in enumerate(PROMPTS[:4])], join_every=1)
@@ -141,6 +142,38 @@ def test_multi_step_cuts_tokens_past_a_stop_and_an_arrival_ends_the_run(tiny_mod
     engine._take_messages(block=False)
     while engine.has_work():
         engine.step()
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_async_scheduling_gives_hf_greedy_tokens_and_schedules_ahead(tiny_model, hf, caplog, pipelined):
+    import logging
+
+    caplog.set_level(logging.INFO)
+    engine = make_engine(tiny_model, async_scheduling=pipelined)
+    assert any(f"scheduling: {'async' if pipelined else 'sync'}" in r.getMessage() for r in caplog.records)
+    order = []  # ("schedule" | "update", plan id)
+    schedule, update = engine.scheduler.schedule, engine.scheduler.update
+    engine.scheduler.schedule = lambda: order.append(("schedule", (plan := schedule()).plan_id)) or plan
+    engine.scheduler.update = lambda plan, sampled: order.append(("update", plan.plan_id)) or update(plan, sampled)
+    check_greedy(engine, hf, join_every=3)
+    num_plans = max(k for _, k in order)
+    ahead = [k for k in range(1, num_plans) if order.index(("schedule", k + 1)) < order.index(("update", k))]
+    if pipelined:  # plan k + 1 made before plan k's results were applied, for most plans
+        assert len(ahead) > num_plans / 2 and sorted(order) == sorted({*order})
+    else:
+        assert not ahead and order == [(what, k) for k in range(1, num_plans + 1) for what in ("schedule", "update")]
+    # a stop token: the step scheduled after it (in flight already) is dropped, not published
+    want = hf(PROMPTS[5], 12)
+    cut = want[:want.index(want[4]) + 1]
+    outs = drive(engine, [("s", PROMPTS[5], SamplingParams(max_new_tokens=12, stop_token_ids=(want[4],)))])
+    assert tokens(outs["s"]) == cut and [o.finished for o in outs["s"]] == [False] * (len(cut) - 1) + [True]
+
+
+def test_seeded_sampling_is_the_same_with_and_without_async_scheduling(tiny_model):
+    seeded = SamplingParams(max_new_tokens=16, do_sample=True, temperature=1.5, top_k=50, seed=5)
+    got = [tokens(drive(make_engine(tiny_model, async_scheduling=on), greedy_requests(12) + [("s", PROMPTS[3], seeded)],
+                        join_every=1)["s"]) for on in (True, False)]
+    assert got[0] == got[1] and len(got[0]) == 16
 
 
 def test_seeded_sampling_with_speculation_reproduces_itself(tiny_model, drafts):

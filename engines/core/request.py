@@ -35,6 +35,9 @@ class Request:
         self.prefix_probe: tuple[int, int] | None = None
         # speculative decoding: the proposer's guesses of the next tokens, verified by the next step
         self.spec_token_ids: list[int] = []
+        # async scheduling: (plan id, tokens it computes, tokens it emits) of the last plan that
+        # scheduled this request and whose results update() has not applied yet
+        self.in_flight: tuple[int, int, int] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -18,6 +18,13 @@ accepted ones plus one; update() keeps the K/V of the verified tokens only and t
 that held rejected ones (they were never registered in the prefix cache: only blocks full of
 verified tokens are).
 
+Async scheduling: the engine may schedule plan k + 1 while plan k runs, before update(k). Each
+request remembers what the last plan that scheduled it will add (`in_flight`: tokens computed,
+tokens emitted); scheduling counts those as done, with placeholders for the tokens not known yet
+(the runner, which appends its own sampled tokens, has them by the time it runs plan k + 1). A
+request whose plan in flight emits its last token is not scheduled again; one that stops early
+(a stop token) wastes the step after, whose results update() drops.
+
 Multi-step (num_scheduler_steps n > 1): when every running request is decoding and none waits, one
 plan runs up to n decode steps back to back (num_steps), with each request's slots for them
 allocated up front; update() cuts the tokens past a stop.
@@ -71,6 +78,7 @@ class SchedulerOutput:
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # request id -> proposed tokens to verify
     num_steps: int = 1  # > 1: a multi-step decode, each request computing 1 token per step
+    plan_id: int = 0
 
     def add(self, request_id: str, num_tokens: int) -> None:
         self.num_scheduled_tokens[request_id] = num_tokens
@@ -94,6 +102,7 @@ class Scheduler:
         self._num_blocks_sent: dict[str, int] = {}  # requests the runner holds -> len(block_ids) it knows
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
+        self._num_plans = 0
 
     @property
     def num_waiting(self) -> int:
@@ -142,7 +151,8 @@ class Scheduler:
         return max(0, min(req.num_remaining_tokens, self.max_model_len - req.num_tokens) - 1)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished_ids=self._finished_ids)
+        self._num_plans += 1
+        out = SchedulerOutput(finished_ids=self._finished_ids, plan_id=self._num_plans)
         self._finished_ids = []
         if self.num_scheduler_steps > 1 and self._schedule_multi_step(out):
             return out
@@ -159,7 +169,9 @@ class Scheduler:
         for request_id, num_tokens in output.num_scheduled_tokens.items():
             req = self.requests.get(request_id)
             if req is None or req.status is not Status.RUNNING:
-                continue  # aborted or preempted since the plan was made
+                continue  # aborted, finished or preempted since the plan was made
+            if req.in_flight is not None and req.in_flight[0] == output.plan_id:
+                req.in_flight = None
             req.spec_token_ids = []
             if req.num_computed_tokens + num_tokens < req.num_tokens:
                 req.num_computed_tokens += num_tokens  # mid-prefill: its logits are not wanted
@@ -209,18 +221,18 @@ class Scheduler:
         none speculates and the blocks for all of them are free. False: schedule as usual."""
         running, bm = self.running, self.block_manager
         if self.waiting or not running or any(r.num_tokens - r.num_computed_tokens != 1 or r.spec_token_ids
-                                               for r in running):
-            return False
+                                               or r.in_flight for r in running):
+            return False  # (the engine does not pipeline multi-step plans: nothing is in flight)
         # no request may go past its max_new_tokens or the model length: no slot beyond what it can hold
         n = min([self.num_scheduler_steps] + [min(r.num_remaining_tokens, self.max_model_len - r.num_tokens)
                                               for r in running])
         if n < 2 or sum(bm.num_new_blocks(r, n) for r in running) > bm.num_free_blocks:
             return False
+        out.num_steps = n
         for req in running:
             if not bm.allocate(req, n):
                 raise AssertionError(f"{req.request_id}: the blocks counted free were not")
             self._record(req, n, out)
-        out.num_steps = n
         return True
 
     def _schedule_running(self, out: SchedulerOutput) -> int:
@@ -228,11 +240,15 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_uncomputed = req.num_tokens - req.num_computed_tokens
+            pending, emitting = req.in_flight[1:] if req.in_flight else (0, 0)
+            if emitting and (emitting >= req.num_remaining_tokens or req.num_tokens + emitting >= self.max_model_len):
+                i += 1  # its plan in flight emits its last token
+                continue
+            num_uncomputed = req.num_tokens + emitting - req.num_computed_tokens - pending
             # proposed tokens (a decoding request only) within what it may emit and the budget
             req.spec_token_ids = req.spec_token_ids[:max(0, min(self.spec_room(req), budget - num_uncomputed))]
             num_new = min(num_uncomputed + len(req.spec_token_ids), budget)
-            while not self.block_manager.allocate(req, num_new):
+            while not self.block_manager.allocate(req, pending + num_new):
                 if req.spec_token_ids:  # speculation gives way before anyone is preempted
                     num_new -= len(req.spec_token_ids)
                     req.spec_token_ids = []
@@ -254,7 +270,8 @@ class Scheduler:
         instead of computing and storing it again; requests behind it go on."""
         bm = self.block_manager
         in_flight = {r.prefix_probe[0] for r in self.running
-                     if r.prefix_probe and r.num_computed_tokens < r.prefix_probe[1]}
+                     if r.prefix_probe and r.num_computed_tokens + (r.in_flight[1] if r.in_flight else 0)
+                     < r.prefix_probe[1]}
         i = 0
         while i < len(self.waiting) and len(self.running) < self.max_num_seqs and budget > 0:
             req = self.waiting[i]
@@ -276,12 +293,15 @@ class Scheduler:
 
     def _record(self, req: Request, num_tokens: int, out: SchedulerOutput) -> None:
         num_sent = self._num_blocks_sent.get(req.request_id)
+        pending, emitting = req.in_flight[1:] if req.in_flight else (0, 0)
+        computed = req.num_computed_tokens + pending
         if num_sent is None:
             out.new_requests.append(NewRequestData(req.request_id, req.all_token_ids, req.num_prompt_tokens,
                                                    list(req.block_ids), req.num_computed_tokens, req.sampling))
         else:
-            out.cached_requests.append(CachedRequestData(req.request_id, req.block_ids[num_sent:],
-                                                         req.num_computed_tokens, num_sent))
+            out.cached_requests.append(CachedRequestData(req.request_id, req.block_ids[num_sent:], computed, num_sent))
+        reaches_end = computed + num_tokens >= req.num_tokens + emitting
+        req.in_flight = (out.plan_id, num_tokens, out.num_steps if out.num_steps > 1 else int(reaches_end))
         self._num_blocks_sent[req.request_id] = len(req.block_ids)
         if req.spec_token_ids:
             out.spec_token_ids[req.request_id] = list(req.spec_token_ids)
@@ -291,6 +311,7 @@ class Scheduler:
         self.block_manager.free(req)
         req.num_computed_tokens = 0
         req.spec_token_ids = []
+        req.in_flight = None
         req.num_preemptions += 1
         req.status = Status.WAITING
         self.waiting.appendleft(req)

@@ -57,7 +57,7 @@ class DecodeGraphs:
         n = len(ids)
         static_ids.zero_()
         static_positions.zero_()
-        static_ids[0, :n].copy_(torch.tensor(ids), non_blocking=True)
+        static_ids[0, :n].copy_(torch.as_tensor(ids), non_blocking=True)  # a list, or sampled ids on the device
         static_positions[0, :n].copy_(torch.tensor(positions), non_blocking=True)
         fresh = self.backend.build_decode_metadata(seqs, size, self.max_width)
         for static, new in zip(static_meta, fresh):

@@ -23,6 +23,7 @@ from engines.config import ModelConfig
 from engines.core.block_manager import BlockManager
 from engines.core.request import Request
 from engines.dist import SingleProcess
+from engines.layers.linear import MatmulPolicy
 from engines.sampling_params import SamplingParams
 from engines.worker.model_runner import ModelRunner
 from engines.worker.paged_runner import PagedRunner
@@ -40,7 +41,9 @@ class DraftProposer:
         self.num_tokens = num_tokens
         self.max_num_batched_tokens = max_num_batched_tokens
         self.runner = ModelRunner(model, max_model_len, SingleProcess())
+        upcast = MatmulPolicy.upcast
         self.runner.load()
+        MatmulPolicy.upcast = upcast  # one process-wide choice: for the model's shapes, not the draft's
         if not self.runner.is_native:
             raise ValueError(f"option.speculative_model {model.local_dir}: the draft model needs a natively "
                              "implemented architecture (Llama, Mistral, Qwen2)")

@@ -126,19 +126,21 @@ class EngineLoop(abc.ABC):
         self._publish([Output(request_id, [], finished=True, finish_reason=FINISH_ERROR, error_code=code,
                               error=message)])
 
-    def fail_step(self, request_ids: list[str], exc: Exception) -> None:
-        """A failed step fails its requests (424, or 507 when out of memory), not the engine; with
-        tensor parallelism the ranks may be out of step, so it raises FatalStepError."""
+    def fail_step(self, request_ids: list[str], exc: Exception, step: int | None = None) -> None:
+        """A failed step (by default the current one) fails its requests (424, or 507 when out of
+        memory), not the engine; with tensor parallelism the ranks may be out of step, so it raises
+        FatalStepError."""
         oom = is_out_of_memory(exc)
+        step = self.num_steps if step is None else step
         if oom:
-            log.error("step %d ran out of memory (%s); failing requests %s", self.num_steps, exc, request_ids)
+            log.error("step %d ran out of memory (%s); failing requests %s", step, exc, request_ids)
         else:
-            log.exception("step %d failed; failing requests %s", self.num_steps, request_ids)
+            log.error("step %d failed; failing requests %s", step, request_ids, exc_info=exc)
         what = "out of memory" if oom else "the model failed during generation"
         self._publish([Output(rid, [], finished=True, finish_reason=FINISH_ERROR, error_code=507 if oom else 424,
                               error=f"{what}: {exc}") for rid in request_ids])
         if self.comm.world_size > 1:
-            raise FatalStepError(f"step {self.num_steps} failed with tensor parallelism: {exc}") from exc
+            raise FatalStepError(f"step {step} failed with tensor parallelism: {exc}") from exc
 
 
 def kv_budget_bytes(sched: SchedulerConfig, runner, num_ranks: int, activation_peak: int, block_size: int = 1) -> int:

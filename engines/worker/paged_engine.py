@@ -6,6 +6,7 @@ and the token-budget scheduler (engines/core, pure Python) decide what each step
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 
 import msgspec
@@ -14,7 +15,7 @@ from engines.attention.base import select_backend
 from engines.config import LmiConfig, model_max_len
 from engines.core.block_manager import BlockManager
 from engines.core.request import Request
-from engines.core.scheduler import Scheduler
+from engines.core.scheduler import Scheduler, SchedulerOutput
 from engines.core.spec import NgramProposer
 from engines.startup import TIMELINE
 from engines.protocol import STATE_READY, Add, HealthReply, Output
@@ -22,7 +23,7 @@ from engines.dist import SingleProcess
 from engines.worker.engine_loop import EngineLoop, kv_budget_bytes
 from engines.worker.mirror import Allocate, ApplyPlan, Execute, Mirrored, WarmUp, WarmUpBuckets
 from engines.worker.model_runner import ModelRunner
-from engines.worker.paged_runner import DECODE_CUDA_GRAPHS, DECODE_EAGER, DECODE_INDUCTOR, PagedRunner
+from engines.worker.paged_runner import DECODE_CUDA_GRAPHS, DECODE_EAGER, DECODE_INDUCTOR, PagedRunner, StepResult
 from engines.worker.sampler import PromptLogprobs
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,8 @@ class PagedEngine(EngineLoop):
         self.proposer = None  # speculative decoding (engines/core/spec.py, engines/worker/draft.py)
         self.spec = SpecStats()
         self.num_multi_steps = 0  # plans that ran more than one decode step
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None  # async scheduling: the step thread
+        self._in_flight: tuple[SchedulerOutput, concurrent.futures.Future] | None = None
 
     def load(self) -> None:
         self.runner.load()
@@ -61,6 +64,10 @@ class PagedEngine(EngineLoop):
                                    sched.num_scheduler_steps)
         self.paged.target.interrupted = self._arrived  # rank 0 ends a multi-step decode for an arrival
         self.proposer = self._make_proposer(block_size)
+        pipelined, why = self._scheduling_mode()
+        if pipelined:
+            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="step")
+        log.info("scheduling: %s (%s)", "async" if pipelined else "sync", why)
         log.info("paged KV cache: %d blocks of %d tokens = %d tokens, %d bytes; attention backend %s; "
                  "prefix caching %s; max_num_seqs %d, max_num_batched_tokens %d", num_blocks, block_size,
                  num_blocks * block_size, num_blocks * block_bytes, self.paged.backend.name,
@@ -82,6 +89,16 @@ class PagedEngine(EngineLoop):
                 return DraftProposer(draft, k, self.max_model_len, sched.max_num_seqs, sched.max_num_batched_tokens,
                                      block_size, sched.attention_backend, self.runner.model.lm_head.vocab_size)
         return None
+
+    def _scheduling_mode(self) -> tuple[bool, str]:
+        sched = self.config.scheduler
+        if not sched.async_scheduling:
+            return False, "option.async_scheduling=false"
+        if self.proposer is not None:
+            return False, "speculative decoding proposes from the tokens of the step before: not pipelined yet"
+        if sched.num_scheduler_steps > 1:
+            return False, f"option.num_scheduler_steps={sched.num_scheduler_steps} runs its own steps back to back"
+        return True, "the next step is scheduled while this one runs"
 
     def _arrived(self) -> bool:
         return not self.inbox.empty()
@@ -133,6 +150,9 @@ class PagedEngine(EngineLoop):
                 **self.spec.metrics()}
 
     def stop_ranks(self) -> None:
+        self._drain()
+        if self._executor is not None:
+            self._executor.shutdown()
         self.paged.stop()
 
     @property
@@ -155,6 +175,8 @@ class PagedEngine(EngineLoop):
         self._prompt.drop(request_id)
         if self.proposer is not None:
             self.proposer.drop(request_id)
+        if not self.scheduler.has_unfinished:
+            self._drain()
 
     def _propose(self) -> None:
         """Speculative decoding: guesses for every decoding request that can take them."""
@@ -165,8 +187,11 @@ class PagedEngine(EngineLoop):
             req.spec_token_ids = guess
 
     def step(self) -> None:
-        """One message crosses the ranks per step: the plan (the emitted tokens reach the other
-        ranks' lists within the step)."""
+        """Schedule a plan and run it. One message crosses the ranks per step: the plan (the emitted
+        tokens reach the other ranks' lists within the step). With async scheduling the plan runs on
+        the step thread while this thread applies and publishes the previous plan's results, and the
+        next step() schedules the plan after it with placeholders for this one's tokens: the step
+        thread always has the next plan queued."""
         self.num_steps += 1
         if self.proposer is not None:
             self._propose()
@@ -174,23 +199,46 @@ class PagedEngine(EngineLoop):
         if self.proposer is not None:
             for rid in plan.preempted_ids:
                 self.proposer.drop(rid)
+        if self._executor is None:
+            self._apply(plan, self._run(plan))
+            return
+        previous, self._in_flight = self._in_flight, (plan, self._executor.submit(self._run, plan))
+        if previous is not None:
+            self._apply(previous[0], previous[1].result())
+        if not self.scheduler.has_unfinished:  # the plan in flight was made for requests now finished
+            self._drain()
+
+    def _drain(self) -> None:
+        if self._in_flight is not None:
+            plan, future = self._in_flight
+            self._in_flight = None
+            self._apply(plan, future.result())
+
+    def _run(self, plan: SchedulerOutput) -> StepResult | Exception | None:
+        """The runners' part of a step (on the step thread with async scheduling)."""
         if not plan.total_num_scheduled_tokens:  # nothing fits now: still hand over what finished
             self.paged.call(ApplyPlan(plan))
-            self.scheduler.update(plan, {})
-            return
+            return None
         try:
-            result = self.paged.call(Execute(plan))
-        except Exception as exc:
-            victims = list(plan.num_scheduled_tokens)
+            return self.paged.call(Execute(plan))
+        except Exception as exc:  # noqa: BLE001 (the step's requests fail, with the reason)
+            return exc
+
+    def _apply(self, plan: SchedulerOutput, result: StepResult | Exception | None) -> None:
+        """Apply a plan's results to the scheduler and publish its requests' new tokens."""
+        if isinstance(result, Exception):
+            victims = [rid for rid in plan.num_scheduled_tokens if rid in self.scheduler.requests]
             for rid in victims:
                 self.abort(rid)
-            self.fail_step(victims, exc)
+            self.fail_step(victims, result, plan.plan_id)  # plan ids count the steps
             return
+        requests = self.scheduler.requests
         rids, samples = (result.request_ids, result.samples) if result else ([], [])
         for rid, part in (result.prompt.items() if result else ()):
-            self._prompt.add(rid, part, self.scheduler.requests[rid].num_prompt_tokens)
+            if rid in requests:
+                self._prompt.add(rid, part, requests[rid].num_prompt_tokens)
         sampled = {rid: s.token_ids for rid, s in zip(rids, samples)}
-        before = {rid: self.scheduler.requests[rid].num_generated_tokens for rid in rids}
+        before = {rid: requests[rid].num_generated_tokens for rid in rids if rid in requests}
         self.spec.count(plan.spec_token_ids, sampled)
         self.num_multi_steps += plan.num_steps > 1
         updated = self.scheduler.update(plan, sampled)
@@ -206,7 +254,8 @@ class PagedEngine(EngineLoop):
                                   prompt_top_tokens=prompt_top))
             if req.is_finished and self.proposer is not None:
                 self.proposer.drop(req.request_id)
-        self.publish(outputs)
+        if outputs:
+            self.publish(outputs)
 
 
 class SpecStats:
