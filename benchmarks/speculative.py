@@ -4,8 +4,10 @@ scheduling against plain decoding, in one process, interleaved, medians of round
     python -m benchmarks.speculative --model-dir models/small --rounds 3 \
         --out benchmarks/results/speculative_small.json
 
-The paged engine is driven offline (PagedEngine: add, step), every configuration loaded once and
-run in turn each round, so that the machine's drift hits them alike.
+The paged engine is driven offline (PagedEngine: add, step). Each configuration runs in a fresh
+process (`--one`), the configurations in turn each round, so that the machine's drift hits them
+alike; one process per configuration also because torch work on two threads of one process (a
+sync engine's on the main thread, an async one's on its step thread) slows both (docs/paged.md).
 
 1. Speculative decoding at concurrency 1 and 4: the prompts repeat a list ("... a; b; c; a; b; c;
    a; b;"), the output is what the model makes of it. Per configuration: generated tok/s (every
@@ -27,6 +29,8 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 
 SPEC_CONFIGS = {
@@ -60,37 +64,23 @@ def list_prompts(model_dir: str, count: int) -> list[list[int]]:
 
 
 class Timed:
-    """Wall time inside the runner's forwards and the engine thread's host work, by patching."""
+    """Wall time inside the runner's forwards and the engine thread's host work, by patching.
+    (Each configuration runs in a process of its own: the patches are dropped with it.)"""
 
     def __init__(self, engine):
         self.forward = self.host = 0.0
         runner = engine.paged.target
-        run = runner._run
-        self._patched = [(runner, "_run"), (engine.scheduler, "schedule"), (engine.scheduler, "update"),
-                         (engine, "publish")]
+        runner._run = self.timed(runner._run, "forward")
+        for name in ("schedule", "update"):
+            setattr(engine.scheduler, name, self.timed(getattr(engine.scheduler, name), "host"))
 
-        def timed_run(*args, **kwargs):
-            started = time.perf_counter()
-            try:
-                return run(*args, **kwargs)
-            finally:
-                self.forward += time.perf_counter() - started
-
-        runner._run = timed_run
-        for obj, name in ((engine.scheduler, "schedule"), (engine.scheduler, "update")):
-            setattr(obj, name, self._host(getattr(obj, name)))
-
-    def restore(self) -> None:
-        for obj, name in self._patched:
-            del obj.__dict__[name]  # the class's method again
-
-    def _host(self, fn):
+    def timed(self, fn, into: str):
         def timed(*args, **kwargs):
             started = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.host += time.perf_counter() - started
+                setattr(self, into, getattr(self, into) + time.perf_counter() - started)
         return timed
 
 
@@ -100,13 +90,13 @@ def make_engine(model_dir: str, concurrency: int, sched: dict):
 
     config = LmiConfig(model=ModelConfig(local_dir=model_dir, dtype="bf16"),
                        scheduler=SchedulerConfig(engine_kind=ENGINE_PAGED, max_num_seqs=concurrency,
-                                                 kv_cache_memory="512MiB", **sched))
+                                                 kv_cache_memory="256MiB", **sched))
     engine = PagedEngine(config, lambda outputs: None)
     engine.load()
     return engine
 
 
-def run_once(engine, prompts: list[list[int]], new: int) -> dict:
+def run_once(engine, prompts: list[list[int]], new: int, timed: Timed) -> dict:
     from engines.protocol import Add
     from engines.sampling_params import SamplingParams
 
@@ -119,8 +109,8 @@ def run_once(engine, prompts: list[list[int]], new: int) -> dict:
             times.setdefault(o.request_id, []).append(now)
             counts[o.request_id] = counts.get(o.request_id, 0) + len(o.token_ids)
 
-    timed = Timed(engine)
-    engine.publish = timed._host(publish)
+    timed.forward = timed.host = 0.0
+    engine.publish = timed.timed(publish, "host")
     spec_before = dict(engine.spec.metrics())
     params = SamplingParams(max_new_tokens=new, ignore_eos=True)
     started = time.perf_counter()
@@ -129,7 +119,6 @@ def run_once(engine, prompts: list[list[int]], new: int) -> dict:
     while engine.has_work():
         engine.step()
     wall = time.perf_counter() - started
-    timed.restore()
     generated = sum(counts.values())
     assert generated == new * len(prompts), (generated, new * len(prompts))
     # TPOT: a request's later tokens over the time between its first and its last output
@@ -177,6 +166,31 @@ def plot(results: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def configurations(args, paths: dict) -> dict[str, tuple[int, dict, int]]:
+    """name -> (concurrency, scheduler settings, new tokens)."""
+    out = {}
+    if args.only != "steps":
+        for conc in (1, 4):
+            for name, sched in SPEC_CONFIGS.items():
+                sched = {k: v.format(**paths) if isinstance(v, str) else v for k, v in sched.items()}
+                out[f"speculative|{conc}|{name}"] = (conc, sched, args.new)
+    if args.only != "speculative":
+        for name, sched in STEP_CONFIGS.items():
+            out[f"steps|{name}"] = (args.step_concurrency, sched, args.step_new)
+    return out
+
+
+def measure(model: str, conc: int, sched: dict, new: int) -> dict:
+    """One configuration in this process: load, a short warm run (each shape's kernels), the run."""
+    engine = make_engine(model, conc, sched)
+    prompts = list_prompts(model, conc)
+    timed = Timed(engine)
+    run_once(engine, prompts, 8, timed)
+    result = run_once(engine, prompts, new, timed)
+    engine.stop_ranks()
+    return result
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.speculative")
     p.add_argument("--model-dir", required=True)
@@ -188,39 +202,46 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--only", choices=("speculative", "steps"))
     p.add_argument("--out", default="benchmarks/results/speculative.json")
+    p.add_argument("--one", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     model = os.path.abspath(args.model_dir)
     derived = args.draft_dir or model.rstrip("/") + "-draft2"
+    paths = {"model": model, "derived": os.path.abspath(derived), "unrelated": os.path.abspath(args.unrelated_dir)}
+    configs = configurations(args, paths)
+    if args.one:  # a child: one configuration, its result as the last line
+        print(json.dumps(measure(model, *configs[args.one])))
+        return 0
     if not os.path.isdir(derived):
         from container.model_maker import make_draft
 
         make_draft(model, derived, num_layers=2)
-    paths = {"model": model, "derived": os.path.abspath(derived), "unrelated": os.path.abspath(args.unrelated_dir)}
     results: dict = {"model": model, "new_tokens": args.new, "rounds": args.rounds,
                      "step_concurrency": args.step_concurrency, "speculative": {}, "steps": {}}
-    prompts = list_prompts(model, max(4, args.step_concurrency))
-    runs: dict[tuple, list[dict]] = {}
-    engines = {}
-    if args.only != "steps":
-        for conc in (1, 4):
-            for name, sched in SPEC_CONFIGS.items():
-                sched = {k: v.format(**paths) if isinstance(v, str) else v for k, v in sched.items()}
-                engines[("speculative", str(conc), name)] = (make_engine(model, conc, sched), prompts[:conc], args.new)
-    if args.only != "speculative":
-        for name, sched in STEP_CONFIGS.items():
-            engines[("steps", name)] = (make_engine(model, args.step_concurrency, sched),
-                                        prompts[:args.step_concurrency], args.step_new)
-    for engine, batch, new in engines.values():  # warm: the first run of each shape makes its kernels
-        run_once(engine, batch, 8)
-    for r in range(args.rounds):
-        for key, (engine, batch, new) in engines.items():
-            runs.setdefault(key, []).append(run_once(engine, batch, new))
+    runs: dict[str, list[dict]] = {}
+    for r in range(args.rounds):  # each configuration in a fresh process, interleaved
+        for key in configs:
+            child = subprocess.run([sys.executable, "-m", "benchmarks.speculative", *(argv or sys.argv[1:]), "--one", key],
+                                   capture_output=True, text=True)
+            if child.returncode:
+                raise RuntimeError(f"{key} failed:\n{child.stderr[-3000:]}")
+            runs.setdefault(key, []).append(json.loads(child.stdout.strip().splitlines()[-1]))
             print(f"round {r + 1} {key}: {runs[key][-1]['tok_s']:.1f} tok/s", flush=True)
     for key, rs in runs.items():
-        if key[0] == "speculative":
-            results["speculative"].setdefault(key[1], {})[key[2]] = summarise(rs)
+        part, *rest = key.split("|")
+        if part == "speculative":
+            results["speculative"].setdefault(rest[0], {})[rest[1]] = summarise(rs)
         else:
-            results["steps"][key[1]] = summarise(rs)
+            results["steps"][rest[0]] = summarise(rs)
+    report(results, args)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(results, f, indent=2)
+    if results["speculative"] and results["steps"]:
+        plot(results, os.path.splitext(args.out)[0] + ".png")
+    return 0
+
+
+def report(results: dict, args) -> None:
     for conc, rows in results["speculative"].items():
         base = rows["off"]
         print(f"\nspeculative decoding, concurrency {conc}, {args.new} new tokens, medians of {args.rounds}")
@@ -233,19 +254,12 @@ def main(argv=None) -> int:
     if results["steps"]:
         rows = results["steps"]
         base = rows["sync, 1 step"]
-        print(f"\nmulti-step and async scheduling, concurrency {args.step_concurrency}, {args.step_new} new tokens")
+        print(f"\nmulti-step and async scheduling, concurrency {args.step_concurrency}, {args.step_new} new tokens, "
+              f"medians of {args.rounds}")
         print(f"{'':16} {'tok/s':>8} {'vs sync':>8} {'idle ms/tok':>12} {'host ms/tok':>12}")
         for name, row in rows.items():
             print(f"{name:16} {row['tok_s']:8.1f} {row['tok_s'] / base['tok_s']:8.2f} {row['idle_ms_per_token']:12.3f} "
                   f"{row['host_ms_per_token']:12.3f}")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(results, f, indent=2)
-    if results["speculative"] and results["steps"]:
-        plot(results, os.path.splitext(args.out)[0] + ".png")
-    for engine, _, _ in engines.values():
-        engine.stop_ranks()
-    return 0
 
 
 if __name__ == "__main__":

@@ -155,7 +155,7 @@ def cmd_make_model(args) -> int:
                                    "num_hidden_layers": args.num_layers, "hidden_size": args.hidden_size}.items()
                  if v is not None}
     card = make_model(args.out_dir, arch=args.arch, size=args.size, seed=args.seed, overrides=overrides,
-                      dtype=args.dtype)
+                      dtype=args.dtype, copy=args.copy)
     print(f"wrote {card['architecture']} ({card['num_parameters']:,} parameters, median top-1 logit margin "
           f"{card['median_top1_margin']}) to {args.out_dir}")
     return 0
@@ -188,6 +188,9 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--num-heads", type=int)
     m.add_argument("--num-layers", type=int)
     m.add_argument("--hidden-size", type=int)
+    m.add_argument("--copy", action="store_true",
+                   help="a model whose greedy output repeats its input's last token (benchmarks of speculative "
+                        "decoding)")
     m.add_argument("--draft-of", metavar="MODEL_DIR",
                    help="write a draft model for speculative decoding instead: MODEL_DIR's embeddings, first "
                         "--num-layers layers (default 2), final norm and LM head")

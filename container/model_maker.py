@@ -84,9 +84,18 @@ def model_config(arch: str, size: str, tokenizer, overrides: dict | None = None)
     return cls(rms_norm_eps=1e-5, **shape, **common, **extra)
 
 
+COPY_LAYER_SCALE = 0.01
+
+
 def make_model(out_dir: str, arch: str = "llama", size: str = "tiny", seed: int = 0,
-               overrides: dict | None = None, dtype: str = "float32") -> dict:
-    """Write config, safetensors weights, tokenizer and a model card to `out_dir`; return the card."""
+               overrides: dict | None = None, dtype: str = "float32", copy: bool = False) -> dict:
+    """Write config, safetensors weights, tokenizer and a model card to `out_dir`; return the card.
+
+    copy: a model whose greedy output repeats its input's last token: the LM head is the input
+    embedding (scaled) and every layer's output projections are scaled by COPY_LAYER_SCALE, so the
+    final hidden state stays near the current token's embedding, whose logit is then the largest.
+    The layers compute as much as in any model of the size; the benchmark of speculative decoding
+    needs outputs that copy their input, which random weights never give."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -103,6 +112,11 @@ def make_model(out_dir: str, arch: str = "llama", size: str = "tiny", seed: int 
     with torch.no_grad():
         head = model.get_output_embeddings()
         head.weight.mul_(LM_HEAD_SCALE)
+        if copy:  # a model that repeats its input (speculative decoding's benchmark): see make_model's doc
+            head.weight.copy_(model.get_input_embeddings().weight * LM_HEAD_SCALE)
+            for name, p in model.named_parameters():
+                if name.endswith(("o_proj.weight", "down_proj.weight", "c_proj.weight")):
+                    p.mul_(COPY_LAYER_SCALE)
     model.eval()
     margin = median_top1_margin(model, tokenizer)
     model.to(getattr(torch, dtype))  # the checkpoint's dtype (config.json says it too)
@@ -112,7 +126,7 @@ def make_model(out_dir: str, arch: str = "llama", size: str = "tiny", seed: int 
     card = {"architecture": config.architectures[0] if config.architectures else type(model).__name__,
             "size": size, "seed": seed, "num_parameters": sum(p.numel() for p in model.parameters()),
             "median_top1_margin": round(margin, 4), "dtype": dtype,
-            "init_range": INIT_RANGE, "lm_head_scale": LM_HEAD_SCALE}
+            "init_range": INIT_RANGE, "lm_head_scale": LM_HEAD_SCALE, "copy": copy}
     with open(os.path.join(out_dir, "lmi_model_card.json"), "w", encoding="utf-8") as f:
         json.dump(card, f, indent=2)
     make_world_readable(out_dir)

@@ -142,3 +142,25 @@ def wait_idle(server: Server, timeout: float = 10.0) -> dict:
             return state
         time.sleep(0.05)
     raise AssertionError(f"engine still busy: {state}")
+
+
+def drive_engine(engine, requests, join_every: int = 1) -> dict:
+    """A rolling engine offline: one (request id, prompt ids, SamplingParams) added every
+    `join_every` steps (requests join mid-flight), then stepped to the end → request id → its
+    Outputs."""
+    from engines.protocol import Add
+
+    outputs: dict = {}
+    engine.publish = lambda outs: [outputs.setdefault(o.request_id, []).append(o) for o in outs]
+    pending, steps = list(requests), 0
+    while pending or engine.has_work():
+        if pending and steps % join_every == 0:
+            engine.add(Add(*pending.pop(0)))
+        engine.step()
+        steps += 1
+        assert steps < 2000, "no progress"
+    return outputs
+
+
+def output_tokens(outputs: list) -> list[int]:
+    return [t for o in outputs for t in o.token_ids]

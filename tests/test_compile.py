@@ -11,9 +11,9 @@ import pytest
 
 from engines.config import ENGINE_PAGED, LmiConfig, ModelConfig, SchedulerConfig
 from engines.dist import SingleProcess
-from engines.protocol import Add
 from engines.sampling_params import SamplingParams
 from engines.worker.paged_engine import PagedEngine
+from tests.support import drive_engine, output_tokens
 
 PROMPTS = [[1] + list(range(10 + 3 * i, 17 + 5 * i)) for i in range(7)]
 SEEDED = SamplingParams(max_new_tokens=10, do_sample=True, temperature=1.2, top_k=40, seed=99)
@@ -30,17 +30,7 @@ def engine_with(tiny_model, cache_dir, **sched) -> PagedEngine:
 
 def drive(engine: PagedEngine, requests: list[tuple[str, list[int], SamplingParams]], join_every: int = 1) -> dict:
     """Add one request every `join_every` steps (requests join mid-flight), then step to the end."""
-    outputs: dict[str, list[int]] = {}
-    engine.publish = lambda outs: [outputs.setdefault(o.request_id, []).extend(o.token_ids) for o in outs]
-    pending = list(requests)
-    steps = 0
-    while pending or engine.has_work():
-        if pending and steps % join_every == 0:
-            engine.add(Add(*pending.pop(0)))
-        engine.step()
-        steps += 1
-        assert steps < 1000
-    return outputs
+    return {rid: output_tokens(outs) for rid, outs in drive_engine(engine, requests, join_every).items()}
 
 
 @pytest.fixture(scope="module")

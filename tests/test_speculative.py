@@ -16,6 +16,7 @@ from engines.protocol import Add, Output
 from engines.sampling_params import SamplingParams
 from engines.worker.paged_engine import PagedEngine
 from engines.worker.sampler import Sampler
+from tests.support import drive_engine, output_tokens
 
 # repetitive prompts (prompt lookup finds matches) of several lengths, and plain ones
 PROMPTS = [[1] + [5, 6, 7, 8, 9] * 3 + list(range(20, 20 + 3 * i)) for i in range(4)] + \
@@ -44,17 +45,8 @@ def make_engine(tiny_model, **sched) -> PagedEngine:
 
 
 def drive(engine: PagedEngine, requests, join_every: int = 2) -> dict[str, list[Output]]:
-    """One request arrives every `join_every` steps (mid-flight), then steps to the end; every block
-    of the model's cache, and of the draft's, is free at the end."""
-    outputs: dict[str, list[Output]] = {}
-    engine.publish = lambda outs: [outputs.setdefault(o.request_id, []).append(o) for o in outs]
-    pending, steps = list(requests), 0
-    while pending or engine.has_work():
-        if pending and steps % join_every == 0:
-            engine.add(Add(*pending.pop(0)))
-        engine.step()
-        steps += 1
-        assert steps < 2000
+    """drive_engine, then: every block of the model's cache, and of the draft's, is free."""
+    outputs = drive_engine(engine, requests, join_every)
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
     engine.scheduler.check_invariants()
     draft = getattr(engine.proposer, "blocks", None)
@@ -63,8 +55,7 @@ def drive(engine: PagedEngine, requests, join_every: int = 2) -> dict[str, list[
     return outputs
 
 
-def tokens(outs: list[Output]) -> list[int]:
-    return [t for o in outs for t in o.token_ids]
+tokens = output_tokens
 
 
 def greedy_requests(max_new: int = 24):
@@ -82,6 +73,7 @@ def check_greedy(engine: PagedEngine, hf, **kw) -> dict[str, list[Output]]:
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_ngram_speculation_gives_hf_greedy_tokens(tiny_model, hf, k):
     engine = make_engine(tiny_model, speculative_method="ngram", num_speculative_tokens=k)
+    assert engine._executor is None  # not pipelined with async scheduling (yet)
     check_greedy(engine, hf)
     m = engine.metrics()
     assert m["spec_proposed_tokens"] > 0 and 0 < m["spec_accepted_tokens"] <= m["spec_proposed_tokens"]
@@ -104,6 +96,7 @@ def test_draft_model_speculation_gives_hf_greedy_tokens(tiny_model, hf, drafts, 
 @pytest.mark.parametrize("n", [1, 4, 8])
 def test_multi_step_decode_gives_hf_greedy_tokens(tiny_model, hf, n):
     engine = make_engine(tiny_model, num_scheduler_steps=n)
+    assert (engine._executor is None) == (n > 1)  # a multi-step engine schedules synchronously
     outs = check_greedy(engine, hf, join_every=5)
     assert (engine.num_multi_steps > 0) == (n > 1)
     if n > 1:
@@ -169,11 +162,17 @@ def test_async_scheduling_gives_hf_greedy_tokens_and_schedules_ahead(tiny_model,
     assert tokens(outs["s"]) == cut and [o.finished for o in outs["s"]] == [False] * (len(cut) - 1) + [True]
 
 
-def test_seeded_sampling_is_the_same_with_and_without_async_scheduling(tiny_model):
-    seeded = SamplingParams(max_new_tokens=16, do_sample=True, temperature=1.5, top_k=50, seed=5)
-    got = [tokens(drive(make_engine(tiny_model, async_scheduling=on), greedy_requests(12) + [("s", PROMPTS[3], seeded)],
-                        join_every=1)["s"]) for on in (True, False)]
-    assert got[0] == got[1] and len(got[0]) == 16
+def test_seeded_sampling_is_the_same_with_and_without_async_scheduling_and_preemption(tiny_model):
+    """Each token is drawn once from the request's generator: with async scheduling a request
+    preempted by the plan made while its last step ran keeps that step's tokens."""
+    seeded = SamplingParams(max_new_tokens=40, do_sample=True, temperature=1.5, top_k=50, seed=5)
+    alone = tokens(drive(make_engine(tiny_model), [("s", PROMPTS[3], seeded)])["s"])
+    others = [(f"o{i}", p, SamplingParams(max_new_tokens=40, ignore_eos=True)) for i, p in enumerate(PROMPTS[:3])]
+    for on in (True, False):
+        engine = make_engine(tiny_model, async_scheduling=on, kv_cache_memory=str(12 * 16 * KV_TOKEN_BYTES))
+        got = tokens(drive(engine, others + [("s", PROMPTS[3], seeded)], join_every=1)["s"])  # s: the newest
+        assert engine.scheduler.num_preemptions > 0
+        assert got == alone and len(got) == 40, on
 
 
 def test_seeded_sampling_with_speculation_reproduces_itself(tiny_model, drafts):

@@ -74,8 +74,6 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int = 0
     preempted_ids: list[str] = field(default_factory=list)  # drop their state: they come back as new
     finished_ids: list[str] = field(default_factory=list)  # finished or aborted since the last plan
-    # last step's tokens that the scheduler kept, for the runners' lists
-    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # request id -> proposed tokens to verify
     num_steps: int = 1  # > 1: a multi-step decode, each request computing 1 token per step
     plan_id: int = 0
@@ -168,8 +166,17 @@ class Scheduler:
         bm = self.block_manager
         for request_id, num_tokens in output.num_scheduled_tokens.items():
             req = self.requests.get(request_id)
-            if req is None or req.status is not Status.RUNNING:
-                continue  # aborted, finished or preempted since the plan was made
+            if req is None:
+                continue  # aborted or finished since the plan was made
+            if req.status is Status.WAITING:
+                # preempted by the plan made after this one (async scheduling): the tokens this one
+                # sampled stand (a seeded request draws each token once), its K/V are recomputed
+                if request_id in sampled:
+                    self._append(req, sampled[request_id])
+                    if req.is_finished:
+                        self.waiting.remove(req)
+                    produced.append(req)
+                continue
             if req.in_flight is not None and req.in_flight[0] == output.plan_id:
                 req.in_flight = None
             req.spec_token_ids = []
@@ -177,12 +184,7 @@ class Scheduler:
                 req.num_computed_tokens += num_tokens  # mid-prefill: its logits are not wanted
                 bm.cache_full_blocks(req, req.num_computed_tokens)
                 continue
-            for token in sampled[request_id]:
-                req.append_token(token)
-                if not req.is_finished and req.num_tokens >= self.max_model_len:
-                    req.finish(FINISH_LENGTH)
-                if req.is_finished:
-                    break  # tokens past a stop (multi-step, speculation) are cut
+            self._append(req, sampled[request_id])
             # K/V hold every token but the last sampled: speculated positions past it are dropped
             req.num_computed_tokens = req.num_tokens - 1
             bm.cache_full_blocks(req, req.num_computed_tokens)
@@ -196,6 +198,14 @@ class Scheduler:
             for req in finished:
                 self._retire(req)
         return produced
+
+    def _append(self, req: Request, tokens: list[int]) -> None:
+        for token in tokens:
+            req.append_token(token)
+            if not req.is_finished and req.num_tokens >= self.max_model_len:
+                req.finish(FINISH_LENGTH)
+            if req.is_finished:
+                return  # tokens past a stop (multi-step, speculation) are cut
 
     def check_invariants(self) -> None:
         """Raise AssertionError unless queues, budgets and blocks agree (for tests)."""
@@ -269,14 +279,14 @@ class Scheduler:
         system prompt arriving together) waits a step or so and takes it from the prefix cache,
         instead of computing and storing it again; requests behind it go on."""
         bm = self.block_manager
-        in_flight = {r.prefix_probe[0] for r in self.running
+        computing = {r.prefix_probe[0] for r in self.running
                      if r.prefix_probe and r.num_computed_tokens + (r.in_flight[1] if r.in_flight else 0)
                      < r.prefix_probe[1]}
         i = 0
         while i < len(self.waiting) and len(self.running) < self.max_num_seqs and budget > 0:
             req = self.waiting[i]
             computed, probe = bm.lookup(req)
-            if probe is not None and probe in in_flight:
+            if probe is not None and probe in computing:
                 i += 1
                 continue
             num_new = min(req.num_tokens - len(computed) * bm.block_size, budget)
@@ -286,7 +296,7 @@ class Scheduler:
             req.status = Status.RUNNING
             req.prefix_probe = None if probe is None else (probe, (len(computed) + 1) * bm.block_size)
             if probe is not None:
-                in_flight.add(probe)
+                computing.add(probe)
             self.running.append(req)
             self._record(req, num_new, out)
             budget -= num_new

@@ -84,7 +84,8 @@ class DraftProposer:
             seqs, ids, positions, last = [], [], [], []
             for req, seq, _ in group:
                 tokens, start = req.all_token_ids, seq.num_computed_tokens
-                seqs.append(SeqSlice(len(ids), len(tokens) - start, len(tokens), seq.block_ids))
+                n = len(tokens) - start  # a few tokens after a verification: decode rows, not a prefill
+                seqs.append(SeqSlice(len(ids), n, len(tokens), seq.block_ids, speculative=n <= self.num_tokens + 1))
                 ids += tokens[start:]
                 positions += range(start, len(tokens))
                 last.append(len(ids) - 1)

@@ -39,10 +39,21 @@ class PagedEngine(EngineLoop):
         self.proposer = None  # speculative decoding (engines/core/spec.py, engines/worker/draft.py)
         self.spec = SpecStats()
         self.num_multi_steps = 0  # plans that ran more than one decode step
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None  # async scheduling: the step thread
         self._in_flight: tuple[SchedulerOutput, concurrent.futures.Future] | None = None
+        # async scheduling: the step thread, which does all of the engine's torch work, loading
+        # included. One thread only: a second thread's OpenMP team (4 threads on 2 cores) makes
+        # libgomp's workers sleep between parallel regions instead of spinning, and a decode step
+        # of the small model took 2-3x as long (docs/paged.md).
+        pipelined, self._scheduling_why = self._scheduling_mode()
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="step") if pipelined else None
 
     def load(self) -> None:
+        if self._executor is not None:
+            self._executor.submit(self._load).result()
+        else:
+            self._load()
+
+    def _load(self) -> None:
         self.runner.load()
         sched = self.config.scheduler
         block_size = self._block_size()
@@ -64,10 +75,7 @@ class PagedEngine(EngineLoop):
                                    sched.num_scheduler_steps)
         self.paged.target.interrupted = self._arrived  # rank 0 ends a multi-step decode for an arrival
         self.proposer = self._make_proposer(block_size)
-        pipelined, why = self._scheduling_mode()
-        if pipelined:
-            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="step")
-        log.info("scheduling: %s (%s)", "async" if pipelined else "sync", why)
+        log.info("scheduling: %s (%s)", "async" if self._executor else "sync", self._scheduling_why)
         log.info("paged KV cache: %d blocks of %d tokens = %d tokens, %d bytes; attention backend %s; "
                  "prefix caching %s; max_num_seqs %d, max_num_batched_tokens %d", num_blocks, block_size,
                  num_blocks * block_size, num_blocks * block_bytes, self.paged.backend.name,
@@ -94,7 +102,7 @@ class PagedEngine(EngineLoop):
         sched = self.config.scheduler
         if not sched.async_scheduling:
             return False, "option.async_scheduling=false"
-        if self.proposer is not None:
+        if sched.speculative_method:
             return False, "speculative decoding proposes from the tokens of the step before: not pipelined yet"
         if sched.num_scheduler_steps > 1:
             return False, f"option.num_scheduler_steps={sched.num_scheduler_steps} runs its own steps back to back"
@@ -151,9 +159,11 @@ class PagedEngine(EngineLoop):
 
     def stop_ranks(self) -> None:
         self._drain()
-        if self._executor is not None:
+        if self._executor is None:
+            self.paged.stop()
+        else:
+            self._executor.submit(self.paged.stop).result()
             self._executor.shutdown()
-        self.paged.stop()
 
     @property
     def num_waiting(self) -> int:
