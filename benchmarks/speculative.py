@@ -1,8 +1,9 @@
 """Fewer forwards per token, no idle device: speculative decoding, multi-step decode and async
 scheduling against plain decoding, in one process, interleaved, medians of rounds.
 
-    python -m benchmarks.speculative --model-dir models/small --rounds 3 \
-        --out benchmarks/results/speculative_small.json
+    lmi make-model models/small-copy --size small --copy     # outputs that repeat (random weights never do)
+    python -m benchmarks.speculative --model-dir models/small-copy --unrelated-dir models/tiny --rounds 3 \
+        --out benchmarks/results/speculative_small_copy.json
 
 The paged engine is driven offline (PagedEngine: add, step). Each configuration runs in a fresh
 process (`--one`), the configurations in turn each round, so that the machine's drift hits them
