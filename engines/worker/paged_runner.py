@@ -237,7 +237,7 @@ class PagedRunner:
             return None
         token_ids = torch.stack([s[0] for s in steps], dim=1).tolist()  # [B, steps]: the one host sync
         log_probs = torch.stack([s[1] for s in steps], dim=1).tolist()
-        top_ns = self.sampler._top_ns(rids)
+        top_ns = self.sampler.top_ns(rids)
         tops = [to_top_lists(s[2], top_ns) for s in steps]
         samples = [SampleResult(token_ids[i], log_probs[i], [t[i] for t in tops]) for i in range(len(rids))]
         self._append(rids, token_ids)

@@ -94,9 +94,9 @@ class Sampler:
         """logits: [B, V] float32, row i for request_ids[i] → one token per row; each request's
         penalty state then counts its token."""
         chosen, chosen_lp, top = self.sample_on_device(logits, request_ids)
-        return SampleResult(chosen.tolist(), chosen_lp.tolist(), to_top_lists(top, self._top_ns(request_ids)))
+        return SampleResult(chosen.tolist(), chosen_lp.tolist(), to_top_lists(top, self.top_ns(request_ids)))
 
-    def _top_ns(self, request_ids: list[str]) -> list[int]:
+    def top_ns(self, request_ids: list[str]) -> list[int]:
         return [self._states[rid].params.top_n_tokens for rid in request_ids]
 
     @torch.inference_mode()
