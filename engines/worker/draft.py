@@ -18,7 +18,7 @@ import logging
 
 import torch
 
-from engines.attention.base import SeqSlice, bucket
+from engines.attention.base import SeqSlice
 from engines.config import ModelConfig
 from engines.core.block_manager import BlockManager
 from engines.core.request import Request
@@ -92,14 +92,14 @@ class DraftProposer:
                 # verified tokens but the last, recomputed next time (the guesses past it are overwritten):
                 # a request whose guesses went unverified (not scheduled) still has one token to compute
                 seq.num_computed_tokens = len(tokens) - 1
-            logits = self._forward(seqs, ids, positions, last)
+            logits = self.paged.run_tokens(seqs, ids, positions, last)
             for (req, _, _), token in zip(group, logits.argmax(dim=-1).tolist()):
                 guesses[req.request_id].append(token)
         for j in range(1, max((room for _, _, room in work), default=0)):
             batch = [(req, seq) for req, seq, room in work if room > j]
             context = [req.num_tokens + j for req, _ in batch]
             seqs = [SeqSlice(i, 1, ctx, seq.block_ids) for i, ((_, seq), ctx) in enumerate(zip(batch, context))]
-            logits = self._forward(seqs, [guesses[req.request_id][-1] for req, _ in batch],
+            logits = self.paged.run_tokens(seqs, [guesses[req.request_id][-1] for req, _ in batch],
                                    [ctx - 1 for ctx in context], list(range(len(batch))))
             for (req, _), token in zip(batch, logits.argmax(dim=-1).tolist()):
                 guesses[req.request_id].append(token)
@@ -118,9 +118,3 @@ class DraftProposer:
             size += n
         if group:
             yield group
-
-    def _forward(self, seqs: list[SeqSlice], ids: list[int], positions: list[int], logits_index: list[int]):
-        decode_only = len(ids) == len(seqs)
-        paged = self.paged
-        size = bucket(paged.backend.decode_buckets if decode_only else paged.buckets, len(ids))
-        return paged._forward(seqs, ids, positions, logits_index, size, decode_only)

@@ -210,9 +210,9 @@ class PagedEngine(EngineLoop):
             for rid in plan.preempted_ids:
                 self.proposer.drop(rid)
         if self._executor is None:
-            self._apply(plan, self._run(plan))
+            self._apply(plan, self._run_plan(plan))
             return
-        previous, self._in_flight = self._in_flight, (plan, self._executor.submit(self._run, plan))
+        previous, self._in_flight = self._in_flight, (plan, self._executor.submit(self._run_plan, plan))
         if previous is not None:
             self._apply(previous[0], previous[1].result())
         if not self.scheduler.has_unfinished:  # the plan in flight was made for requests now finished
@@ -224,7 +224,7 @@ class PagedEngine(EngineLoop):
             self._in_flight = None
             self._apply(plan, future.result())
 
-    def _run(self, plan: SchedulerOutput) -> StepResult | Exception | None:
+    def _run_plan(self, plan: SchedulerOutput) -> StepResult | Exception | None:
         """The runners' part of a step (on the step thread with async scheduling)."""
         if not plan.total_num_scheduled_tokens:  # nothing fits now: still hand over what finished
             self.paged.call(ApplyPlan(plan))

@@ -181,9 +181,7 @@ class PagedRunner:
             st.num_computed_tokens = start + n
         if not ids:
             return None
-        decode_only = len(ids) == len(seqs)
-        size = bucket(self.backend.decode_buckets if decode_only else self.buckets, len(ids))
-        logits = self._run(seqs, ids, positions, logits_index + prompt_index + spec_index, size, decode_only)
+        logits = self.run_tokens(seqs, ids, positions, logits_index + prompt_index + spec_index)
         emitting = sampling_ids + spec_ids
         if logits is None:  # ranks > 0: the tokens come from rank 0
             self._append(emitting, self._share(emitting, [1] * len(sampling_ids) + [len(d) + 1 for d in drafts]))
@@ -213,12 +211,11 @@ class PagedRunner:
         device = self.runner.device
         tokens = torch.tensor([st.token_ids[st.num_computed_tokens] for st in states], dtype=torch.long,
                               device=device)
-        size = bucket(self.backend.decode_buckets, len(rids))
         steps: list[tuple] = []  # rank 0: per step (token ids, log-probs, top) on the device
         for j in range(plan.num_steps):
             seqs = [SeqSlice(i, 1, st.num_computed_tokens + 1, st.block_ids) for i, st in enumerate(states)]
             positions = [st.num_computed_tokens for st in states]
-            logits = self._run(seqs, tokens, positions, list(range(len(rids))), size, True)
+            logits = self.run_tokens(seqs, tokens, positions, list(range(len(rids))))
             for st in states:
                 st.num_computed_tokens += 1
             go_on = j + 1 < plan.num_steps
@@ -270,10 +267,13 @@ class PagedRunner:
         for rid, toks in zip(rids, token_ids):
             self.states[rid].token_ids += toks
 
-    def _run(self, seqs: list[SeqSlice], ids: list[int] | torch.Tensor, positions: list[int], logits_index: list[int],
-             size: int, decode_only: bool) -> torch.Tensor | None:
-        """A step's forward: a captured graph for a whole decode step when there is one, else eager
-        (or the compiled decode model)."""
+    def run_tokens(self, seqs: list[SeqSlice], ids: list[int] | torch.Tensor, positions: list[int],
+                   logits_index: list[int]) -> torch.Tensor | None:
+        """A forward over one flattened batch (a step's, or the draft proposer's) → the logits of
+        the `logits_index` tokens (None on ranks > 0). Padded to a step-size bucket; a whole decode
+        step replays its captured graph when there is one, else runs eagerly (or compiled)."""
+        decode_only = len(ids) == len(seqs)
+        size = bucket(self.backend.decode_buckets if decode_only else self.buckets, len(ids))
         if decode_only and self._graphs is not None and self._graphs.can_run(size):
             # the graph gives every token's logits; keep the rows the eager path would (a one-token
             # chunk inside a prompt samples nothing)

@@ -118,10 +118,7 @@ class Sampler:
         log_probs = torch.log_softmax(logits, dim=-1)  # [B, V]
         chosen = log_probs.argmax(dim=-1)
         if sampled_rows:
-            probs = log_probs[sampled_rows].exp()
-            noise = torch.stack([torch.empty(vocab, device=self.device).exponential_(generator=states[i].generator)
-                                 for i in sampled_rows])
-            chosen[sampled_rows] = (probs / noise).argmax(dim=-1)
+            chosen[sampled_rows] = self._race(log_probs[sampled_rows].exp(), [states[i].generator for i in sampled_rows])
         chosen_lp = log_probs.gather(1, chosen.view(-1, 1)).view(-1)
         top_n = max(p.top_n_tokens for p in params)
         top = log_probs.topk(top_n, dim=-1) if top_n else None
@@ -172,8 +169,7 @@ class Sampler:
                     if d is not None:
                         lp = lp.clone()
                         lp[d] = float("-inf")
-                    noise = torch.empty(lp.shape[0], device=self.device).exponential_(generator=g)
-                    tokens.append(int((lp.exp() / noise).argmax()))
+                    tokens.append(int(self._race(lp.exp().unsqueeze(0), [g])[0]))
                     break
             rows = log_probs[row:row + len(tokens)]
             index = torch.tensor(tokens, device=self.device).view(-1, 1)
@@ -183,6 +179,13 @@ class Sampler:
                                         to_top_lists((top.indices, top.values) if n else None, [n] * len(tokens))))
             row += len(draft) + 1
         return results
+
+    def _race(self, probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+        """One draw from each row of `probs` [n, V] (unnormalised): argmax(p / E), E ~ Exp(1) drawn
+        from the row's own generator."""
+        noise = torch.stack([torch.empty(probs.shape[1], device=self.device).exponential_(generator=g)
+                             for g in generators])
+        return (probs / noise).argmax(dim=-1)
 
     def _materialise(self, s: _RequestState, vocab: int) -> None:
         prompt, output = s.pending
