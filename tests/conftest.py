@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -9,8 +10,15 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.support import Server, free_port
+
+# Without a GPU, Triton kernels (engines/kernels) run on CPU tensors under Triton's interpreter. It is
+# read when a kernel is defined, so it is set before any test imports one; servers the tests start
+# inherit it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
