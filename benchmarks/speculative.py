@@ -71,7 +71,7 @@ class Timed:
     def __init__(self, engine):
         self.forward = self.host = 0.0
         runner = engine.paged.target
-        runner.run_tokens = self.timed(runner.run_tokens, "forward")
+        runner.forward = self.timed(runner.forward, "forward")
         for name in ("schedule", "update"):
             setattr(engine.scheduler, name, self.timed(getattr(engine.scheduler, name), "host"))
 

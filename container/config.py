@@ -21,6 +21,7 @@ from engines.config import (
     ENGINE_DYNAMIC, ENGINE_PAGED, ENGINE_ROLLING, NATIVE_ARCHITECTURES,
     LmiConfig, ModelConfig, ParallelConfig, SchedulerConfig, ServerConfig,
 )
+from engines.core.modes import scheduling_mode
 
 log = logging.getLogger(__name__)
 
@@ -281,12 +282,14 @@ def speed_settings(cfg: ResolvedConfig, kind: str) -> dict:
     lo, hi = cfg["option.ngram_prompt_lookup_min"], cfg["option.ngram_prompt_lookup_max"]
     if lo > hi:
         raise ConfigError(f"option.ngram_prompt_lookup_min={lo} is larger than option.ngram_prompt_lookup_max={hi}")
-    if method and steps > 1:
-        raise ConfigError("option.num_scheduler_steps > 1 with speculative decoding: they do not compose yet; "
-                          "choose one")
-    return dict(speculative_method=method, num_speculative_tokens=cfg["option.num_speculative_tokens"],
-                speculative_model=draft, ngram_prompt_lookup_min=lo, ngram_prompt_lookup_max=hi,
-                num_scheduler_steps=steps, async_scheduling=cfg["option.async_scheduling"])
+    settings = dict(speculative_method=method, num_speculative_tokens=cfg["option.num_speculative_tokens"],
+                    speculative_model=draft, ngram_prompt_lookup_min=lo, ngram_prompt_lookup_max=hi,
+                    num_scheduler_steps=steps, async_scheduling=cfg["option.async_scheduling"])
+    try:  # the scheduling mode these make (the engine builds the same one)
+        scheduling_mode(SchedulerConfig(**settings))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return settings
 
 
 def served_model_name(cfg: ResolvedConfig, local_dir: str) -> str:

@@ -143,8 +143,9 @@ KEYS: tuple[Key, ...] = (
     Key("option.compile_cache_dir", text, None,
         "where torch.compile keeps its compiled code (TORCHINDUCTOR_CACHE_DIR), so that a restart is warm"),
     Key("option.tgi_compat", boolean, False, "/invocations answers as TGI's POST / (an array, or TGI's SSE stream)"),
-    Key("option.attention_backend", choice("auto", "torch", "flash_attn"), "auto",
-        "paged attention kernels: flash_attn (CUDA with flash-attn installed), torch, or auto (the first that runs)"),
+    Key("option.attention_backend", choice("auto", "flash_attn", "triton", "flex", "torch"), "auto",
+        "paged attention kernels: flash_attn (CUDA with flash-attn installed), triton (CUDA), flex (PyTorch "
+        "FlexAttention), torch, or auto (flash_attn, else triton on CUDA; torch on CPU)"),
     Key("option.speculative_method", choice("ngram", "draft"), None,
         "paged engine: speculative decoding by n-gram prompt lookup or a draft model (unset: off; "
         "option.speculative_model alone means draft)"),
@@ -155,8 +156,9 @@ KEYS: tuple[Key, ...] = (
     Key("option.ngram_prompt_lookup_max", integer(1), 4, "ngram speculation: the longest suffix looked up"),
     Key("option.num_scheduler_steps", integer(1), 1,
         "paged engine: decode steps run back to back per plan when every request decodes (multi-step)"),
-    Key("option.async_scheduling", boolean, True,
-        "paged engine: schedule the next step while this one runs (off with speculative decoding and multi-step)"),
+    Key("option.async_scheduling", boolean, None,
+        "paged engine: schedule and prepare the next step while this one runs (unset: on, except with speculative "
+        "decoding or multi-step, which it does not pipeline; true with either is refused)"),
     Key("option.max_new_tokens", integer(1), 30, "default max_new_tokens of a request"),
     Key("option.load_cache_dir", text, None,
         "directory for a load-optimised copy of each rank's weights: written on the first start, read on later "

@@ -50,7 +50,7 @@ class SchedulerConfig(msgspec.Struct, frozen=True):
     enforce_eager: bool = False  # no CUDA graphs, no torch.compile
     cpu_compile: bool = False  # CPU: torch.compile the paged decode step
     compile_cache_dir: str | None = None  # TORCHINDUCTOR_CACHE_DIR
-    attention_backend: str = "auto"  # auto | torch | flash_attn (engines/attention)
+    attention_backend: str = "auto"  # auto | flash_attn | triton | flex | torch (engines/attention)
     # paged engine: fewer forwards per token, no idle device (docs/paged.md)
     speculative_method: str | None = None  # ngram | draft | None
     num_speculative_tokens: int = 3
@@ -58,7 +58,8 @@ class SchedulerConfig(msgspec.Struct, frozen=True):
     ngram_prompt_lookup_min: int = 1
     ngram_prompt_lookup_max: int = 4
     num_scheduler_steps: int = 1
-    async_scheduling: bool = True  # the next step scheduled while this one runs (docs/paged.md)
+    # the next step scheduled while this one runs; None: wherever the mode allows (engines/core/modes.py)
+    async_scheduling: bool | None = None
 
 
 class ParallelConfig(msgspec.Struct, frozen=True):

@@ -164,3 +164,39 @@ def drive_engine(engine, requests, join_every: int = 1) -> dict:
 
 def output_tokens(outputs: list) -> list[int]:
     return [t for o in outputs for t in o.token_ids]
+
+
+def compare_backends_over_mixed_steps(oracle_cls, backend_cls, device, dtype, block_size: int, atol: float,
+                                      heads: tuple[int, int] = (8, 2), dim: int = 64) -> None:
+    """Prefill chunks (one after cached context), decodes, a proposal-like 3-token chunk and bucket
+    padding over several steps, through the step buffers: `backend_cls` gives `oracle_cls`'s outputs
+    for every real token, and its padding rows are zero (mixed steps)."""
+    import torch
+
+    from engines.attention.base import ForwardBatch, SeqChunk
+    from engines.worker.step_buffers import StepBuffers
+
+    torch.manual_seed(0)
+    hq, hkv = heads
+    backends = [cls(1, hkv, dim, block_size, dtype, device) for cls in (oracle_cls, backend_cls)]
+    for b in backends:
+        b.allocate(16)
+    buffers = [StepBuffers(2048, 4, 8, block_size, 16, device) for _ in backends]
+    tables = {"a": [3, 9, 4, 0], "b": [5, 1, 2, 12], "c": [7, 6, 13, 14], "d": [8, 10, 11, 15]}
+    done = dict.fromkeys(tables, 0)
+    steps = [{"a": 3 * block_size + 5, "b": 40}, {"a": 1, "b": block_size + 3, "c": 17, "d": 2},
+             {"a": 1, "b": 1, "c": 3, "d": 1}, {"a": 1, "b": 1, "c": 1, "d": 1}]
+    for step in steps:
+        chunks = [SeqChunk(done[s], n, tables[s], [0] * n, speculative=n == 3) for s, n in step.items()]
+        for s, n in step.items():
+            done[s] += n
+        outs = []
+        for backend, buf in zip(backends, buffers):
+            view = buf.write(ForwardBatch(chunks, []))
+            gen = torch.Generator(device="cpu").manual_seed(sum(done.values()))  # the same for both
+            q, k, v = (torch.randn(1, view.num_tokens, h, dim, generator=gen).to(device, dtype) for h in (hq, hkv, hkv))
+            outs.append((backend.forward(0, q, k, v, backend.metadata(view))[0].float(), view))
+        real = sum(step.values())
+        torch.testing.assert_close(outs[1][0][:real], outs[0][0][:real], atol=atol, rtol=atol)
+        if not outs[1][1].decode_only:
+            assert torch.count_nonzero(outs[1][0][real:]) == 0

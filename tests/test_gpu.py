@@ -7,7 +7,7 @@ import torch
 
 from engines.attention.base import flash_attn_available
 from engines.config import ModelConfig
-from engines.core.scheduler import NewRequestData, SchedulerOutput
+from engines.core.plan import NewRequest, StepPlan
 from engines.sampling_params import SamplingParams
 from engines.worker.model_runner import ModelRunner
 from engines.worker.paged_runner import PagedRunner
@@ -39,10 +39,10 @@ def test_paged_step_on_cuda_matches_cpu(tiny_model):
     for device in ("cpu", "cuda"):
         paged = PagedRunner(_runner(tiny_model, device))
         paged.allocate(64, 16, 4, 1024)
-        plan = SchedulerOutput()
+        plan = StepPlan()
         for i, p in enumerate(PROMPTS):
-            plan.new_requests.append(NewRequestData(f"r{i}", p, len(p), [4 * i, 4 * i + 1, 4 * i + 2], 0,
-                                                    SamplingParams()))
+            plan.new_requests.append(NewRequest(f"r{i}", p, len(p), [4 * i, 4 * i + 1, 4 * i + 2], 0,
+                                                SamplingParams()))
             plan.add(f"r{i}", len(p))
         samples = paged.execute(plan).samples
         outs[device] = ([s.token_ids for s in samples], torch.tensor([s.log_probs for s in samples]))
@@ -54,29 +54,22 @@ def test_paged_step_on_cuda_matches_cpu(tiny_model):
                     reason="needs flash-attn")
 def test_flash_attn_backend_matches_the_torch_backend_over_mixed_steps():
     """Prefill chunks, decodes and padding over several steps: the same outputs within bf16 tolerance."""
-    from engines.attention.base import SeqSlice
     from engines.attention.flash_backend import FlashAttnBackend
     from engines.attention.torch_backend import TorchPagedBackend
+    from tests.support import compare_backends_over_mixed_steps
 
-    torch.manual_seed(0)
-    dev, hq, hkv, d, bs = torch.device("cuda"), 8, 2, 64, 256
-    backends = [cls(1, hkv, d, bs, torch.bfloat16, dev) for cls in (TorchPagedBackend, FlashAttnBackend)]
-    for b in backends:
-        b.allocate(16, 4, 8)
-    tables = {"a": [3, 9], "b": [5, 1], "c": [7]}
-    done = {s: 0 for s in tables}
-    for chunk in ({"a": 300, "b": 40}, {"a": 1, "b": 260, "c": 17}, {"a": 1, "b": 1, "c": 1}):
-        seqs, start = [], 0
-        for s, n in chunk.items():
-            seqs.append(SeqSlice(start, n, done[s] + n, tables[s]))
-            done[s] += n
-            start += n
-        q = torch.randn(1, start + 3, hq, d, dtype=torch.bfloat16, device=dev)  # 3 padding tokens
-        k = torch.randn(1, start + 3, hkv, d, dtype=torch.bfloat16, device=dev)
-        v = torch.randn(1, start + 3, hkv, d, dtype=torch.bfloat16, device=dev)
-        outs = [b.forward(0, q, k, v, b.build_metadata(seqs, start + 3))[0, :start].float() for b in backends]
-        torch.testing.assert_close(outs[1], outs[0], atol=2e-2, rtol=2e-2)
+    compare_backends_over_mixed_steps(TorchPagedBackend, FlashAttnBackend, torch.device("cuda"), torch.bfloat16,
+                                      256, atol=2e-2)
 
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-3), (torch.bfloat16, 2e-2)])
+def test_triton_backend_matches_the_torch_backend_over_mixed_steps(dtype, atol):
+    from engines.attention.torch_backend import TorchPagedBackend
+    from engines.attention.triton_backend import TritonPagedBackend
+    from tests.support import compare_backends_over_mixed_steps
+
+    compare_backends_over_mixed_steps(TorchPagedBackend, TritonPagedBackend, torch.device("cuda"), dtype, 16,
+                                      atol=atol)
 
 
 def test_cuda_kv_cache_leaves_the_profiled_activation_peak_free(tiny_model):
@@ -98,27 +91,26 @@ def _paged_engine(tiny_model, **sched):
     from engines.config import ENGINE_PAGED, LmiConfig, SchedulerConfig
     from engines.worker.paged_engine import PagedEngine
 
+    sched = {"max_num_seqs": 8, "gpu_memory_utilization": 0.3, **sched}
     config = LmiConfig(model=ModelConfig(local_dir=str(tiny_model), dtype="fp32"),
-                       scheduler=SchedulerConfig(engine_kind=ENGINE_PAGED, max_num_seqs=8, gpu_memory_utilization=0.3,
-                                                 **sched))
+                       scheduler=SchedulerConfig(engine_kind=ENGINE_PAGED, **sched))
     engine = PagedEngine(config, publish=lambda outputs: None)
     engine.load()
     return engine
 
 
 def test_decode_cuda_graph_replay_equals_the_eager_step(tiny_model):
-    """Each bucket's graph against the eager model on the same cache contents and inputs."""
-    from engines.attention.base import SeqSlice
+    """Each bucket's graph against the eager model on the same buffers, cache contents and inputs."""
+    from engines.attention.base import ForwardBatch, SeqChunk
 
     engine = _paged_engine(tiny_model)
     paged = engine.paged.target
-    assert paged.decode_mode == "cuda_graphs" and sorted(paged._graphs.graphs) == paged.backend.decode_buckets
+    assert paged.decode_mode == "graphs" and paged.graphs.buckets == paged.buffers.decode_buckets
     for n in (1, 3, 8):
-        size = next(b for b in paged.backend.decode_buckets if b >= n)
-        seqs = [SeqSlice(i, 1, 5 + i, [2 * i, 2 * i + 1]) for i in range(n)]
-        ids, positions = [7 + i for i in range(n)], [4 + i for i in range(n)]
-        graph_logits = paged._graphs.run(seqs, ids, positions, size).clone()
-        eager = paged._forward(seqs, ids, positions, list(range(n)), size)
+        batch = ForwardBatch([SeqChunk(4 + i, 1, [2 * i, 2 * i + 1], [7 + i]) for i in range(n)], list(range(n)))
+        graph_logits = paged.forward(batch).clone()
+        view = paged.buffers.write(batch)
+        eager = paged._run_model(view, paged.backend.metadata(view))[:n]
         torch.testing.assert_close(graph_logits, eager, atol=1e-3, rtol=1e-3)
 
 
@@ -128,7 +120,7 @@ def test_greedy_with_cuda_graphs_equals_enforce_eager(tiny_model):
     results = {}
     for eager in (False, True):
         engine = _paged_engine(tiny_model, enforce_eager=eager)
-        assert engine.paged.target.decode_mode == ("eager" if eager else "cuda_graphs")
+        assert engine.paged.target.decode_mode == ("eager" if eager else "graphs")
         outputs: dict[str, list[int]] = {}
         engine.publish = lambda outs: [outputs.setdefault(o.request_id, []).extend(o.token_ids) for o in outs]
         for i in range(6):  # crossing the 1, 2, 4, 8 buckets as requests join
@@ -140,13 +132,16 @@ def test_greedy_with_cuda_graphs_equals_enforce_eager(tiny_model):
     assert results[False] == results[True]
 
 
-@pytest.mark.parametrize("sched", [dict(speculative_method="ngram", num_speculative_tokens=3),
+@pytest.mark.parametrize("sched", [dict(attention_backend="torch"), dict(attention_backend="triton"),
+                                   dict(attention_backend="flex"), dict(enforce_eager=True),
+                                   dict(speculative_method="ngram", num_speculative_tokens=3),
                                    dict(speculative_method="draft", speculative_model="self", num_speculative_tokens=3),
                                    dict(num_scheduler_steps=4), dict(async_scheduling=True),
-                                   dict(async_scheduling=False)], ids=["ngram", "draft", "multi_step", "async", "sync"])
-def test_speculation_multi_step_and_async_on_cuda_give_hf_greedy_tokens(tiny_model, hf, sched):
-    """The CUDA paths: verification rows through the CUDA backend, a multi-step run replaying the
-    decode graphs with the sampled ids fed on the device, the step thread with CUDA graphs."""
+                                   dict(async_scheduling=False)],
+                         ids=["torch", "triton", "flex", "eager", "ngram", "draft", "multi_step", "async", "sync"])
+def test_the_paged_engine_on_cuda_gives_hf_greedy_tokens(tiny_model, hf, sched):
+    """The CUDA paths: each attention backend, graphs on and off, verification rows, a multi-step run
+    replaying the decode graphs with the sampled ids fed on the device, pipelined steps."""
     from engines.protocol import Add
 
     if sched.get("speculative_model") == "self":
@@ -164,6 +159,23 @@ def test_speculation_multi_step_and_async_on_cuda_give_hf_greedy_tokens(tiny_mod
         assert outputs[f"r{i}"] == hf(p, 16), i
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
     if "num_scheduler_steps" in sched:
-        assert engine.num_multi_steps > 0 and engine.paged.target.decode_mode == "cuda_graphs"
+        assert engine.num_multi_steps > 0 and engine.paged.target.decode_mode == "graphs"
     if "speculative_method" in sched:
         assert engine.metrics()["spec_accepted_tokens"] > 0
+
+
+def test_64_concurrent_requests_on_cuda_with_default_settings_give_hf_greedy_tokens(tiny_model, hf):
+    """The default engine (graphs, the auto backend, async scheduling) with 64 requests at once."""
+    from engines.protocol import Add
+
+    engine = _paged_engine(tiny_model, max_num_seqs=64)
+    outputs: dict[str, list[int]] = {}
+    engine.publish = lambda outs: [outputs.setdefault(o.request_id, []).extend(o.token_ids) for o in outs]
+    prompts = [[1] + list(range(10 + i, 14 + i + i % 7)) for i in range(64)]
+    for i, p in enumerate(prompts):
+        engine.add(Add(f"r{i}", p, SamplingParams(max_new_tokens=24, ignore_eos=True)))
+    while engine.has_work():
+        engine.step()
+    for i, p in enumerate(prompts):
+        assert outputs[f"r{i}"] == hf(p, 24), i
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks

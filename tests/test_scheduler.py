@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from engines.core.block_manager import BlockManager
 from engines.core.request import Request, Status
-from engines.core.scheduler import Scheduler, SchedulerOutput
+from engines.core.plan import StepPlan
+from engines.core.scheduler import Scheduler
 from engines.protocol import FINISH_ABORT, FINISH_EOS, FINISH_LENGTH
 from engines.sampling_params import SamplingParams
 
@@ -55,7 +56,7 @@ class FakeRunner:
         for p in range(s.num_computed_tokens):
             assert self.kv[self.slot(s, p)] == s.key(p), f"position {p}: wrong K/V"
 
-    def execute(self, plan: SchedulerOutput) -> dict[str, list[int]]:
+    def execute(self, plan: StepPlan) -> dict[str, list[int]]:
         for request_id in plan.finished_ids + plan.preempted_ids:
             del self.states[request_id]
         for new in plan.new_requests:
@@ -107,13 +108,12 @@ class FakeRunner:
         return sampled
 
 
-def propose(sched: Scheduler, k: int) -> None:
-    """A fake proposer: k guesses for each decoding request, right two times in three."""
-    for req in sched.running:
-        if k and req.num_tokens - req.num_computed_tokens == 1:
-            req.spec_token_ids = [fake_token(req.request_id, req.num_tokens + j)
-                                  if zlib.crc32(f"{req.request_id}/{req.num_tokens}/{j}".encode()) % 3 else VOCAB
-                                  for j in range(k)]
+def propose(sched: Scheduler, k: int) -> dict[str, list[int]]:
+    """A fake proposer: k guesses for each running request, right two times in three (the scheduler
+    keeps them for the decoding ones only)."""
+    return {req.request_id: [fake_token(req.request_id, req.num_tokens + j)
+                             if zlib.crc32(f"{req.request_id}/{req.num_tokens}/{j}".encode()) % 3 else VOCAB
+                             for j in range(k)] for req in sched.running} if k else {}
 
 
 def make(num_blocks=64, block_size=4, seqs=8, tokens=64, model_len=256, caching=True, steps=1):
@@ -127,9 +127,8 @@ def request(rid: str, prompt: list[int] | int, max_new=8, **sampling) -> Request
                    frozenset({EOS}), 0)
 
 
-def step(sched: Scheduler, runner: FakeRunner, k: int = 0) -> tuple[SchedulerOutput, list[Request]]:
-    propose(sched, k)
-    plan = sched.schedule()
+def step(sched: Scheduler, runner: FakeRunner, k: int = 0) -> tuple[StepPlan, list[Request]]:
+    plan = sched.schedule(propose(sched, k))
     assert plan.total_num_scheduled_tokens == sum(plan.num_scheduled_tokens.values())
     assert plan.total_num_scheduled_tokens <= sched.max_num_batched_tokens * plan.num_steps
     sched.check_invariants()

@@ -73,7 +73,7 @@ def check_greedy(engine: PagedEngine, hf, **kw) -> dict[str, list[Output]]:
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_ngram_speculation_gives_hf_greedy_tokens(tiny_model, hf, k):
     engine = make_engine(tiny_model, speculative_method="ngram", num_speculative_tokens=k)
-    assert engine._executor is None  # not pipelined with async scheduling (yet)
+    assert not engine.mode.pipelined and engine.mode.name == "speculative (ngram)"  # the guesses need the host's tokens
     check_greedy(engine, hf)
     m = engine.metrics()
     assert m["spec_proposed_tokens"] > 0 and 0 < m["spec_accepted_tokens"] <= m["spec_proposed_tokens"]
@@ -96,7 +96,7 @@ def test_draft_model_speculation_gives_hf_greedy_tokens(tiny_model, hf, drafts, 
 @pytest.mark.parametrize("n", [1, 4, 8])
 def test_multi_step_decode_gives_hf_greedy_tokens(tiny_model, hf, n):
     engine = make_engine(tiny_model, num_scheduler_steps=n)
-    assert (engine._executor is None) == (n > 1)  # a multi-step engine schedules synchronously
+    assert engine.mode.pipelined == (n == 1)  # a multi-step engine schedules synchronously
     outs = check_greedy(engine, hf, join_every=5)
     assert (engine.num_multi_steps > 0) == (n > 1)
     if n > 1:

@@ -1,96 +1,30 @@
 """Attention backends of the paged engine: each owns its KV cache layout, its per-step metadata and
-its kernel, and is chosen once at start (`option.attention_backend`: auto | torch | flash_attn).
+its kernel, and is chosen once at start (`option.attention_backend`: auto | flash_attn | triton |
+flex | torch).
 
-    backend.allocate(num_blocks)                 the per-layer K and V caches, in its layout
-    meta = backend.build_metadata(seqs)          index tensors of one step, built once per step
-    out = backend.forward(layer, q, k, v, meta)  store this step's K/V, attend (every layer)
+    backend.allocate(num_blocks)                   the per-layer K and V caches, in its layout
+    meta = backend.metadata(view, static=False)    index tensors of one step, shared by every layer
+    out = backend.forward(layer, q, k, v, meta)    store this step's K/V, attend (every layer)
 
-A step is one flattened, padding-free batch of tokens (prefill chunks and decodes together), each
-sequence described by a SeqSlice:
-
-    tokens:  [ d0 d1 d2 | p0 p0 p0 p0 | p1 p1 ]     (three decodes, two prefill chunks)
-
-The metadata travels as an argument, not as backend state, so that a compiled decode step can
-build it from its own input buffers.
+A step is one flattened batch of tokens (prefill chunks, decodes and proposed tokens together) in
+the persistent step buffers (engines/worker/step_buffers.py); its metadata is built from views of
+those buffers. `static=True` asks for metadata that holds for any decode step of the view's size,
+whatever the buffers hold (a captured CUDA graph replays it): views only, no host facts, block
+tables at their full width. The metadata travels as an argument, not as backend state, so that a
+compiled or captured step reads it from its own inputs.
 """
 
 from __future__ import annotations
 
 import abc
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "torch", "flash_attn")
-
-
-@dataclass
-class SeqSlice:
-    """One sequence's part of a step."""
-
-    query_start: int  # index of its first token in the flattened batch
-    num_query_tokens: int
-    context_len: int  # tokens in the cache once this step's are written (computed + scheduled)
-    block_ids: list[int]
-    # a decode with proposed tokens to verify (speculative decoding): a backend may attend its few
-    # query tokens as decode rows (each with its own context length) instead of as a prefill chunk
-    speculative: bool = False
-
-
-class AttentionBackend(abc.ABC):
-    name: str
-
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device):
-        self.num_layers = num_layers
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.block_size = block_size
-        self.dtype = dtype
-        self.device = device
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
-        self.num_blocks = 0
-
-    @abc.abstractmethod
-    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
-        """Shape of one layer's K (and V) cache."""
-
-    def allocate(self, num_blocks: int, max_num_seqs: int, max_blocks_per_seq: int) -> None:
-        """The caches: `num_blocks` for requests plus one scratch block for padding tokens; the
-        shape buckets for `max_num_seqs` decodes of up to `max_blocks_per_seq` blocks."""
-        shape = self.kv_cache_shape(num_blocks + 1)
-        with torch.inference_mode(False):  # ordinary tensors: a compiled step may write views of them
-            self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-            self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        self.num_blocks = num_blocks
-        self.scratch_block = num_blocks
-        self.decode_buckets = token_buckets(max_num_seqs)
-        self.width_buckets = token_buckets(max_blocks_per_seq)
-
-    @property
-    def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
-
-    @abc.abstractmethod
-    def build_metadata(self, seqs: list[SeqSlice], num_tokens: int | None = None):
-        """The step's index tensors (on the device), shared by every layer; tokens past the
-        sequences' up to `num_tokens` are padding (their K/V go to the scratch block)."""
-
-    @abc.abstractmethod
-    def build_decode_metadata(self, seqs: list[SeqSlice], num_rows: int, width: int):
-        """A decode-only step at a fixed shape (CUDA graphs): `num_rows` rows, the sequences' then
-        padding decodes on the scratch block, block tables `width` blocks wide."""
-
-    def warm_up(self, num_heads: int) -> None:
-        """Run every kernel shape the backend will meet (nothing by default)."""
-
-    @abc.abstractmethod
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta) -> torch.Tensor:
-        """q: [1, N, Hq, D], k/v: [1, N, Hkv, D] for the step's N tokens → [1, N, Hq, D]."""
+BACKENDS = ("auto", "flash_attn", "triton", "flex", "torch")
 
 
 def token_buckets(max_tokens: int) -> list[int]:
@@ -108,6 +42,111 @@ def bucket(sizes: list[int], n: int) -> int:
     return next((s for s in sizes if s >= n), n)
 
 
+@dataclass
+class SeqChunk:
+    """One sequence's part of a forward: positions start .. start + num_tokens - 1."""
+
+    start: int
+    num_tokens: int
+    block_ids: list[int]  # its block table (covers every position it computes)
+    token_ids: list[int]  # host ids of its tokens: num_tokens of them, or one fewer when fed_row >= 0
+    fed_row: int = -1  # >= 0: its last token is row fed_row of the previous step's sampled tokens
+    speculative: bool = False  # proposed tokens to verify: a backend may attend them as decode rows
+
+    @property
+    def context_len(self) -> int:
+        return self.start + self.num_tokens
+
+
+@dataclass
+class ForwardBatch:
+    chunks: list[SeqChunk]
+    logits_rows: list[int]  # flattened token indices whose logits are wanted, in output order
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return bool(self.chunks) and all(c.num_tokens == 1 for c in self.chunks)
+
+
+@dataclass
+class StepView:
+    """What one `write` put in the buffers: sizes (host ints), device views, and the host facts that
+    eager metadata may use (graph metadata uses none of them)."""
+
+    num_tokens: int  # T, padding included
+    num_seqs: int  # S, a decode step's pad sequences included
+    num_logits: int  # rows of logits_indices (padded to a decode bucket)
+    width: int  # blocks of the longest sequence
+    decode_only: bool
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64
+    logits_indices: torch.Tensor  # [num_logits] int64
+    query_start: torch.Tensor  # [S + 1] int32
+    seq_lens: torch.Tensor  # [S] int32
+    block_table: torch.Tensor  # [S, W_max] int32
+    chunks: list[SeqChunk] = field(default_factory=list)
+
+
+def to_device(values, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Host values as a tensor on the device without a host sync: through pinned memory, copied
+    without blocking on CUDA (a plain copy from pageable memory waits for the device's queue); on a
+    CPU the tensor itself."""
+    t = torch.tensor(values, dtype=dtype)
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
+
+
+class AttentionBackend(abc.ABC):
+    name: str
+    preferred_block_size: int | None = None  # a block size the kernels need (flash-attn: 256)
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.block_size = block_size
+        self.dtype = dtype
+        self.device = device
+        self.scale = head_dim ** -0.5
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.num_blocks = 0
+
+    @abc.abstractmethod
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """Shape of one layer's K (and V) cache."""
+
+    def allocate(self, num_blocks: int) -> None:
+        """The caches: `num_blocks` for requests plus one scratch block (`scratch_block`) that
+        padding tokens write to and pad sequences read."""
+        shape = self.kv_cache_shape(num_blocks + 1)
+        with torch.inference_mode(False):  # ordinary tensors: a compiled step may write views of them
+            self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+            self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.num_blocks = num_blocks
+        self.scratch_block = num_blocks
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    @abc.abstractmethod
+    def metadata(self, view: StepView, static: bool = False):
+        """The step's metadata over the view's buffers (static: for a captured decode step)."""
+
+    def warm_up(self, num_heads: int, decode_buckets: list[int], width_buckets: list[int]) -> None:
+        """Run every kernel shape the backend will meet (nothing by default)."""
+
+    @abc.abstractmethod
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta) -> torch.Tensor:
+        """q: [1, N, Hq, D], k/v: [1, N, Hkv, D] for the step's N tokens → [1, N, Hq, D]."""
+
+
 def flash_attn_available(device: torch.device) -> bool:
     if device.type != "cuda":
         return False
@@ -118,18 +157,54 @@ def flash_attn_available(device: torch.device) -> bool:
     return True
 
 
-def select_backend(name: str, device: torch.device) -> type[AttentionBackend]:
-    """The backend class for `option.attention_backend` on this device (auto: flash-attn on CUDA
-    when it imports, else torch)."""
-    from engines.attention.torch_backend import TorchPagedBackend
+def triton_runs(device: torch.device) -> bool:
+    """Triton kernels run on CUDA devices, and on CPU tensors under Triton's interpreter (tests)."""
+    try:
+        import triton
+    except ImportError:
+        return False
+    if device.type == "cuda":
+        return True
+    knobs = getattr(triton, "knobs", None)
+    return device.type == "cpu" and bool(knobs and knobs.runtime.interpret)
 
+
+def flex_runs(device: torch.device) -> bool:
+    try:
+        from torch.nn.attention import flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def select_backend(name: str, device: torch.device) -> type[AttentionBackend]:
+    """The backend class for `option.attention_backend` on this device. auto: flash-attn on CUDA when
+    it imports, else the Triton kernel on CUDA, else torch."""
     if name not in BACKENDS:
         raise ValueError(f"option.attention_backend must be one of {', '.join(BACKENDS)}, not {name!r}")
-    if name == "torch" or (name == "auto" and not flash_attn_available(device)):
-        return TorchPagedBackend
-    if not flash_attn_available(device):
-        raise ValueError(f"option.attention_backend=flash_attn needs a CUDA device with the flash-attn package "
-                         f"installed (the device is {device})")
-    from engines.attention.flash_backend import FlashAttnBackend
+    if name == "auto":
+        name = "flash_attn" if flash_attn_available(device) else "triton" if device.type == "cuda" \
+            and triton_runs(device) else "torch"
+    if name == "flash_attn":
+        if not flash_attn_available(device):
+            raise ValueError(f"option.attention_backend=flash_attn needs a CUDA device with the flash-attn package "
+                             f"installed (the device is {device})")
+        from engines.attention.flash_backend import FlashAttnBackend
 
-    return FlashAttnBackend
+        return FlashAttnBackend
+    if name == "triton":
+        if not triton_runs(device):
+            raise ValueError(f"option.attention_backend=triton needs a CUDA device with triton installed (the "
+                             f"device is {device}; on CPU only under Triton's interpreter, TRITON_INTERPRET=1)")
+        from engines.attention.triton_backend import TritonPagedBackend
+
+        return TritonPagedBackend
+    if name == "flex":
+        if not flex_runs(device):
+            raise ValueError("option.attention_backend=flex needs PyTorch's FlexAttention (torch >= 2.5)")
+        from engines.attention.flex_backend import FlexPagedBackend
+
+        return FlexPagedBackend
+    from engines.attention.torch_backend import TorchPagedBackend
+
+    return TorchPagedBackend

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from engines.attention.base import AttentionBackend, SeqSlice, bucket
+from engines.attention.base import AttentionBackend, StepView, bucket, to_device
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -34,66 +34,62 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 class TorchMetadata(NamedTuple):
     slot_mapping: torch.Tensor  # [N] where each token's K/V goes (padding: the scratch block)
-    block_table: torch.Tensor  # [Bd, nb] the decodes' blocks (past a row's end: masked)
+    block_table: torch.Tensor  # [Bd, nb] the decode rows' blocks (past a row's end: masked)
     context_lens: torch.Tensor  # [Bd]
-    decode_rows: torch.Tensor | None  # [bd <= Bd] the real decodes' tokens; None: all N tokens are decodes
+    decode_rows: torch.Tensor | None  # [bd <= Bd] the decode rows' tokens; None: all N tokens are decodes
     prefills: tuple = ()  # (query_start, num_query_tokens, context_len, block ids [nb]) per prefill chunk
 
 
-def decode_metadata(slot_mapping: torch.Tensor, block_table: torch.Tensor, context_lens: torch.Tensor) -> TorchMetadata:
-    """A decode-only step (the compiled path builds it from its own input buffers)."""
-    return TorchMetadata(slot_mapping, block_table, context_lens, None)
-
-
 class TorchPagedBackend(AttentionBackend):
-    """Static shapes: the decodes' batch is padded to a bucket of max_num_seqs and their block
-    tables to a bucket of the longest sequence's blocks, so that the batched matmuls meet a small
-    set of shapes, all made by `warm_up` (each new bf16 matmul shape costs oneDNN ~0.4 MiB)."""
+    """Static shapes: a decode step's rows are a bucket of max_num_seqs (the step buffers pad it) and
+    its block tables a bucket of the longest sequence's blocks (all of them for a captured step), so
+    that the batched matmuls meet a small set of shapes, all made by `warm_up` (each new bf16 matmul
+    shape costs oneDNN ~0.4 MiB)."""
 
     name = "torch"
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (self.num_kv_heads, num_blocks, self.block_size, self.head_dim)
 
-    def build_metadata(self, seqs: list[SeqSlice], num_tokens: int | None = None) -> TorchMetadata:
-        """`num_tokens` >= the sequences' tokens: the rest are padding (written to the scratch block;
-        their output is zero, or a one-token decode on it when every real token is a decode)."""
-        bs, dev, scratch = self.block_size, self.device, self.scratch_block
-        real = sum(s.num_query_tokens for s in seqs)
-        num_tokens = real if num_tokens is None else num_tokens
-        slots: list[int] = []
+    def allocate(self, num_blocks: int) -> None:
+        super().allocate(num_blocks)
+        self.decode_buckets: list[int] = []  # the shapes warm_up made (none: steps run at their own sizes)
+        self.width_buckets: list[int] = []
+
+    def metadata(self, view: StepView, static: bool = False) -> TorchMetadata:
+        if view.decode_only:  # every row a decode (pad rows decode the scratch block): the buffers' views
+            width = view.block_table.shape[1] if static else bucket(self.width_buckets, view.width)
+            return TorchMetadata(view.slot_mapping, view.block_table[:, :width], view.seq_lens, None)
+        return self._mixed_metadata(view)
+
+    def _mixed_metadata(self, view: StepView) -> TorchMetadata:
+        """Decode rows (one-token chunks, and each proposed token with its own context length)
+        batched; prefill chunks one by one. Built from the host's chunks (an eager step only)."""
+        bs, dev = self.block_size, self.device
         decodes: list[tuple[int, int, list[int]]] = []  # (token index, context length, block ids) per decode row
         prefills = []
-        for s in seqs:
-            start = s.context_len - s.num_query_tokens
-            slots += [s.block_ids[p // bs] * bs + p % bs for p in range(start, s.context_len)]
-            if s.num_query_tokens == 1 or s.speculative:  # a proposal's tokens: a decode row each
-                decodes += [(s.query_start + i, start + i + 1, s.block_ids) for i in range(s.num_query_tokens)]
+        start = 0
+        for c in view.chunks:
+            if c.num_tokens == 1 or c.speculative:
+                decodes += [(start + i, c.start + i + 1, c.block_ids) for i in range(c.num_tokens)]
             else:
-                nb = -(-s.context_len // bs)
-                prefills.append((s.query_start, s.num_query_tokens, s.context_len,
-                                 torch.tensor(s.block_ids[:nb], dtype=torch.long, device=dev)))
-        slots += [scratch * bs] * (num_tokens - real)
-        decode_only = bool(decodes) and len(decodes) == real and all(row == i for i, (row, _, _) in enumerate(decodes))
-        rows = None if decode_only else torch.tensor([row for row, _, _ in decodes], dtype=torch.long, device=dev)
-        num_rows = num_tokens if decode_only else bucket(self.decode_buckets, len(decodes))
+                nb = -(-c.context_len // bs)
+                prefills.append((start, c.num_tokens, c.context_len, to_device(c.block_ids[:nb], dev, torch.long)))
+            start += c.num_tokens
+        num_rows = bucket(self.decode_buckets, len(decodes)) if decodes else 0
         nb = bucket(self.width_buckets, max((-(-ctx // bs) for _, ctx, _ in decodes), default=1))
         table = [blocks[:nb] + [0] * (nb - len(blocks[:nb])) for _, _, blocks in decodes]
-        table += [[scratch] + [0] * (nb - 1)] * (num_rows - len(decodes))
+        table += [[self.scratch_block] + [0] * (nb - 1)] * (num_rows - len(decodes))
         lens = [ctx for _, ctx, _ in decodes] + [1] * (num_rows - len(decodes))
-        return TorchMetadata(torch.tensor(slots, dtype=torch.long, device=dev),
-                             torch.tensor(table, dtype=torch.long, device=dev).view(num_rows, nb),
-                             torch.tensor(lens, dtype=torch.long, device=dev), rows, tuple(prefills))
-
-    def build_decode_metadata(self, seqs: list[SeqSlice], num_rows: int, width: int) -> TorchMetadata:
-        rows = decode_rows(seqs, num_rows, width, self.block_size, self.scratch_block)
-        return decode_metadata(*(torch.tensor(x, dtype=torch.long, device=self.device) for x in rows))
+        return TorchMetadata(view.slot_mapping, to_device(table, dev, torch.long).view(num_rows, nb),
+                             to_device(lens, dev, torch.long), to_device([row for row, _, _ in decodes], dev, torch.long),
+                             tuple(prefills))
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: TorchMetadata):
         k_cache, v_cache = self.keys[layer], self.values[layer]
         store_kv(k[0], v[0], k_cache, v_cache, meta.slot_mapping)
         q = q[0]  # [N, Hq, D]
-        if meta.decode_rows is None:  # decodes only: the compiled shape
+        if meta.decode_rows is None:  # decodes only: the compiled and captured shape
             return decode_attention(q, k_cache, v_cache, meta.block_table, meta.context_lens).unsqueeze(0)
         out = torch.zeros_like(q)  # padding tokens stay zero
         rows = meta.decode_rows
@@ -105,33 +101,24 @@ class TorchPagedBackend(AttentionBackend):
             out[start:start + n] = prefill_attention(q[start:start + n], k_cache, v_cache, blocks, ctx)
         return out.unsqueeze(0)
 
-    def warm_up(self, hq: int) -> None:
-        """Every (decode bucket, width bucket) shape once."""
-        for rows in self.decode_buckets:
-            q = torch.zeros(rows, hq, self.head_dim, dtype=self.dtype, device=self.device)
+    def warm_up(self, num_heads: int, decode_buckets: list[int], width_buckets: list[int]) -> None:
+        """Every (decode bucket, width bucket) shape once; the widths are the ones steps use from now on."""
+        self.decode_buckets, self.width_buckets = list(decode_buckets), list(width_buckets)
+        for rows in decode_buckets:
+            q = torch.zeros(rows, num_heads, self.head_dim, dtype=self.dtype, device=self.device)
             lens = torch.ones(rows, dtype=torch.long, device=self.device)
-            for nb in self.width_buckets:
+            for nb in width_buckets:
                 table = torch.full((rows, nb), self.scratch_block, dtype=torch.long, device=self.device)
                 decode_attention(q, self.keys[0], self.values[0], table, lens)
 
 
-def decode_rows(seqs: list[SeqSlice], num_rows: int, width: int, block_size: int, scratch: int):
-    """A decode-only step at a fixed shape as lists: (slots [num_rows], block table [num_rows][width],
-    context lengths [num_rows]); rows past the sequences decode one padding token on the scratch block."""
-    pad = num_rows - len(seqs)
-    slots = [s.block_ids[(s.context_len - 1) // block_size] * block_size + (s.context_len - 1) % block_size
-             for s in seqs] + [scratch * block_size] * pad
-    table = [s.block_ids[:width] + [0] * (width - len(s.block_ids[:width])) for s in seqs]
-    table += [[scratch] + [0] * (width - 1)] * pad
-    return slots, table, [s.context_len for s in seqs] + [1] * pad
-
-
 def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """cache [Hkv, blocks, bs, D], block_table [B, nb] → [Hkv, B, nb * bs, D] in one copy: an
-    index_select of whole blocks as rows of a 2-D view (twice as fast as selecting along dim 1)."""
+    """cache [Hkv, blocks, bs, D], block_table [B, nb] (int32 or int64) → [Hkv, B, nb * bs, D] in one
+    copy: an index_select of whole blocks as rows of a 2-D view (twice as fast as selecting along dim 1)."""
     heads, num_blocks, bs, dim = cache.shape
     b, nb = block_table.shape
-    rows = (torch.arange(heads, device=cache.device).view(-1, 1) * num_blocks + block_table.reshape(1, -1)).view(-1)
+    rows = (torch.arange(heads, device=cache.device).view(-1, 1) * num_blocks
+            + block_table.reshape(1, -1).long()).view(-1)
     return cache.view(heads * num_blocks, bs * dim).index_select(0, rows).view(heads, b, nb * bs, dim)
 
 

@@ -21,10 +21,16 @@ from __future__ import annotations
 from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 from engines.core.request import Request
 
 _TOKEN_BYTES = array("i").itemsize
+class PrefixHit(NamedTuple):
+    block_ids: list[int]  # cached blocks matching the start of a request's tokens
+    next_hash: int | None  # prefix hash of the full block after them; None when none is left to compute
+
+
 _ROOT = None  # parent hash of block 0: not an int, so it never equals a block's hash
 
 
@@ -95,15 +101,16 @@ class BlockManager:
 
     def get_computed_blocks(self, req: Request) -> list[int]:
         """Cached blocks matching the start of the request's tokens, leaving at least one token to compute."""
-        return self.lookup(req)[0]
+        return self.lookup(req).block_ids
 
-    def lookup(self, req: Request) -> tuple[list[int], int | None]:
-        """(get_computed_blocks, the prefix hash of the full block right after them, or None when
-        no full block is left to compute or the request cannot use the prefix cache)."""
+    def lookup(self, req: Request) -> PrefixHit:
+        """The cached blocks matching the start of the request's tokens, and the prefix hash of the
+        full block right after them (None when no full block is left to compute or the request
+        cannot use the prefix cache)."""
         if not self.enable_prefix_caching:
-            return [], None
+            return PrefixHit([], None)
         if req.sampling.prompt_logprobs and not req.output_token_ids:
-            return [], None  # every prompt token's logits are needed: compute them all (once)
+            return PrefixHit([], None)  # every prompt token's logits are needed: compute them all (once)
         tokens, size = req.all_token_ids, self.block_size
         found: list[int] = []
         parent = _ROOT
@@ -112,10 +119,10 @@ class BlockManager:
             h = hash_block(parent, chunk)
             block_id = self.cached.get(h)
             if block_id is None or not self.blocks[block_id].holds(parent, chunk):
-                return found, h
+                return PrefixHit(found, h)
             found.append(block_id)
             parent = h
-        return found, None
+        return PrefixHit(found, None)
 
     def can_allocate(self, req: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
         num_new_blocks = self._num_new_blocks(req, num_new_tokens, computed_blocks)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from typing import NamedTuple
 
 from engines.protocol import FINISH_ABORT, FINISH_EOS, FINISH_LENGTH
 from engines.sampling_params import SamplingParams
@@ -12,6 +13,24 @@ class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+class InFlight(NamedTuple):
+    """What the last plan that scheduled a request adds once its results are applied (async
+    scheduling: the next plan is made before that)."""
+
+    plan_id: int
+    num_computed: int  # tokens it computes
+    num_emitted: int  # tokens it emits (0: a prefill chunk short of the end)
+
+
+class PrefixProbe(NamedTuple):
+    """The first block a request computes that the prefix cache may hold later: its prefix hash and
+    the position it ends at. While a running request is short of `end`, a waiting request whose next
+    block has the same hash waits for the cache instead of computing it too."""
+
+    hash: int
+    end: int
 
 
 class Request:
@@ -30,14 +49,11 @@ class Request:
         self.num_cached_tokens = 0  # of those, found in the prefix cache when last scheduled anew
         self.block_ids: list[int] = []  # block table: token at position p lives in block_ids[p // block_size]
         self.num_preemptions = 0
-        # (prefix hash of the first block it computes, the position that block ends at): while a
-        # running request is short of it, a waiting one with the same next block waits for the cache
-        self.prefix_probe: tuple[int, int] | None = None
+        self.prefix_probe: PrefixProbe | None = None
         # speculative decoding: the proposer's guesses of the next tokens, verified by the next step
         self.spec_token_ids: list[int] = []
-        # async scheduling: (plan id, tokens it computes, tokens it emits) of the last plan that
-        # scheduled this request and whose results update() has not applied yet
-        self.in_flight: tuple[int, int, int] | None = None
+        # async scheduling: the last plan that scheduled it, whose results update() has not applied yet
+        self.in_flight: InFlight | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,6 +1,6 @@
 """Token-budget scheduler of the paged engine (pure Python: no torch).
 
-Each step hands the model runner a plan (SchedulerOutput): how many tokens of which requests to
+Each step hands the model runner a plan (StepPlan, engines/core/plan.py): how many tokens of which requests to
 compute, under `max_num_batched_tokens` tokens and `max_num_seqs` running requests. A prefill and
 a decode are the same thing here: a request computes `num_tokens - num_computed_tokens` tokens,
 chunked to what the budget leaves (1 for a decoding request).
@@ -12,8 +12,8 @@ chunked to what the budget leaves (1 for a decoding request).
                 reached the end of its tokens
     update()    advances num_computed_tokens, appends the sampled tokens, retires finished requests
 
-Speculative decoding: a decoding request with proposed tokens (req.spec_token_ids, set by the
-engine's proposer before schedule) computes 1 + k tokens; the runner verifies them and returns the
+Speculative decoding: a decoding request with proposed tokens (`schedule(proposals)`: the
+engine's proposer guesses them from the requests' tokens) computes 1 + k tokens; the runner verifies them and returns the
 accepted ones plus one; update() keeps the K/V of the verified tokens only and trims the blocks
 that held rejected ones (they were never registered in the prefix cache: only blocks full of
 verified tokens are).
@@ -29,58 +29,19 @@ Multi-step (num_scheduler_steps n > 1): when every running request is decoding a
 plan runs up to n decode steps back to back (num_steps), with each request's slots for them
 allocated up front; update() cuts the tokens past a stop.
 
-The plan says only what changed: requests new to the runner (or back after a preemption) in full,
-others as the block ids appended since the last plan.
+The plan (engines/core/plan.py) says only what changed: requests new to the runner (or back after
+a preemption) in full, others as the block ids appended since the last plan.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 
 from engines.core.block_manager import BlockManager
-from engines.core.request import Request, Status
+from engines.core.plan import CachedRequest, NewRequest, StepPlan
+from engines.core.request import InFlight, PrefixProbe, Request, Status
 from engines.protocol import FINISH_LENGTH
-from engines.sampling_params import SamplingParams
-
-
-@dataclass
-class NewRequestData:
-    """A request the runner has no state for: scheduled for the first time, or again after a preemption."""
-
-    request_id: str
-    token_ids: list[int]  # prompt + tokens generated so far (recomputed after a preemption)
-    num_prompt_tokens: int
-    block_ids: list[int]  # its whole block table
-    num_computed_tokens: int  # already in the cache (prefix hit): compute from this position on
-    sampling: SamplingParams
-
-
-@dataclass
-class CachedRequestData:
-    """A request the runner knows: the block ids appended to its table since the last plan."""
-
-    request_id: str
-    new_block_ids: list[int]  # the block table from index first_block on
-    num_computed_tokens: int  # before this step's tokens
-    first_block: int = 0  # blocks kept from the last plan (fewer when speculation trimmed the table)
-
-
-@dataclass
-class SchedulerOutput:
-    new_requests: list[NewRequestData] = field(default_factory=list)
-    cached_requests: list[CachedRequestData] = field(default_factory=list)
-    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # request id -> tokens to compute
-    total_num_scheduled_tokens: int = 0
-    preempted_ids: list[str] = field(default_factory=list)  # drop their state: they come back as new
-    finished_ids: list[str] = field(default_factory=list)  # finished or aborted since the last plan
-    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # request id -> proposed tokens to verify
-    num_steps: int = 1  # > 1: a multi-step decode, each request computing 1 token per step
-    plan_id: int = 0
-
-    def add(self, request_id: str, num_tokens: int) -> None:
-        self.num_scheduled_tokens[request_id] = num_tokens
-        self.total_num_scheduled_tokens += num_tokens
 
 
 class Scheduler:
@@ -144,14 +105,24 @@ class Scheduler:
         self._retire(req)
         return req
 
+    def can_speculate(self, req: Request) -> bool:
+        """A running request with one token to compute (decoding), no plan in flight and no penalties."""
+        return (req.status is Status.RUNNING and req.num_tokens - req.num_computed_tokens == 1
+                and req.in_flight is None and req.can_speculate)
+
     def spec_room(self, req: Request) -> int:
         """How many proposed tokens the request can verify: it may still emit them and one more."""
         return max(0, min(req.num_remaining_tokens, self.max_model_len - req.num_tokens) - 1)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, proposals: Mapping[str, list[int]] | None = None) -> StepPlan:
+        """The next step's plan. `proposals`: request id → tokens guessed for it (speculative
+        decoding), verified when it is scheduled as a decode; cut to what it may still emit."""
         self._num_plans += 1
-        out = SchedulerOutput(finished_ids=self._finished_ids, plan_id=self._num_plans)
+        out = StepPlan(plan_id=self._num_plans, finished_ids=self._finished_ids)
         self._finished_ids = []
+        for req in self.running:  # guesses follow a decoding request's last token only
+            guess = proposals.get(req.request_id) if proposals else None
+            req.spec_token_ids = list(guess) if guess and self.can_speculate(req) else []
         if self.num_scheduler_steps > 1 and self._schedule_multi_step(out):
             return out
         budget = self._schedule_running(out)
@@ -159,12 +130,13 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         return out
 
-    def update(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+    def update(self, output: StepPlan, sampled: Mapping[str, list[int]]) -> list[Request]:
         """Apply a step's results (sampled: request id -> its new tokens); return the requests that
         got tokens, each with the ones kept (cut after a stop) as its last output tokens."""
         produced: list[Request] = []
         bm = self.block_manager
-        for request_id, num_tokens in output.num_scheduled_tokens.items():
+        for seq in output.scheduled:
+            request_id, num_tokens = seq.request_id, seq.num_tokens
             req = self.requests.get(request_id)
             if req is None:
                 continue  # aborted or finished since the plan was made
@@ -177,7 +149,7 @@ class Scheduler:
                         self.waiting.remove(req)
                     produced.append(req)
                 continue
-            if req.in_flight is not None and req.in_flight[0] == output.plan_id:
+            if req.in_flight is not None and req.in_flight.plan_id == output.plan_id:
                 req.in_flight = None
             req.spec_token_ids = []
             if req.num_computed_tokens + num_tokens < req.num_tokens:
@@ -188,7 +160,7 @@ class Scheduler:
             # K/V hold every token but the last sampled: speculated positions past it are dropped
             req.num_computed_tokens = req.num_tokens - 1
             bm.cache_full_blocks(req, req.num_computed_tokens)
-            if request_id in output.spec_token_ids and not req.is_finished:
+            if seq.spec_token_ids and not req.is_finished:
                 bm.trim(req, req.num_tokens)
                 self._num_blocks_sent[request_id] = min(self._num_blocks_sent[request_id], len(req.block_ids))
             produced.append(req)
@@ -225,7 +197,7 @@ class Scheduler:
             if bm.num_blocks_for(self.max_num_slots(req)) < len(req.block_ids):
                 raise AssertionError(f"{req.request_id}: holds more blocks than it can ever fill")
 
-    def _schedule_multi_step(self, out: SchedulerOutput) -> bool:
+    def _schedule_multi_step(self, out: StepPlan) -> bool:
         """Every running request decodes up to num_scheduler_steps tokens in one plan, when none waits
         (a prefill or an arrival goes back to single steps, so that it does not wait for the run),
         none speculates and the blocks for all of them are free. False: schedule as usual."""
@@ -245,12 +217,12 @@ class Scheduler:
             self._record(req, n, out)
         return True
 
-    def _schedule_running(self, out: SchedulerOutput) -> int:
+    def _schedule_running(self, out: StepPlan) -> int:
         budget = self.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            pending, emitting = req.in_flight[1:] if req.in_flight else (0, 0)
+            pending, emitting = _in_flight_counts(req)
             if emitting and (emitting >= req.num_remaining_tokens or req.num_tokens + emitting >= self.max_model_len):
                 i += 1  # its plan in flight emits its last token
                 continue
@@ -273,15 +245,14 @@ class Scheduler:
                 i += 1
         return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, out: StepPlan, budget: int) -> None:
         """First come first served, with one exception: a request whose next uncached block is the
         one a running request is computing right now (the same prompt: `n` copies, or a shared
         system prompt arriving together) waits a step or so and takes it from the prefix cache,
         instead of computing and storing it again; requests behind it go on."""
         bm = self.block_manager
-        computing = {r.prefix_probe[0] for r in self.running
-                     if r.prefix_probe and r.num_computed_tokens + (r.in_flight[1] if r.in_flight else 0)
-                     < r.prefix_probe[1]}
+        computing = {r.prefix_probe.hash for r in self.running
+                     if r.prefix_probe and r.num_computed_tokens + _in_flight_counts(r)[0] < r.prefix_probe.end}
         i = 0
         while i < len(self.waiting) and len(self.running) < self.max_num_seqs and budget > 0:
             req = self.waiting[i]
@@ -294,30 +265,28 @@ class Scheduler:
                 break  # nobody else jumps the queue for lack of blocks
             del self.waiting[i]
             req.status = Status.RUNNING
-            req.prefix_probe = None if probe is None else (probe, (len(computed) + 1) * bm.block_size)
+            req.prefix_probe = None if probe is None else PrefixProbe(probe, (len(computed) + 1) * bm.block_size)
             if probe is not None:
                 computing.add(probe)
             self.running.append(req)
             self._record(req, num_new, out)
             budget -= num_new
 
-    def _record(self, req: Request, num_tokens: int, out: SchedulerOutput) -> None:
+    def _record(self, req: Request, num_tokens: int, out: StepPlan) -> None:
         num_sent = self._num_blocks_sent.get(req.request_id)
-        pending, emitting = req.in_flight[1:] if req.in_flight else (0, 0)
+        pending, emitting = _in_flight_counts(req)
         computed = req.num_computed_tokens + pending
         if num_sent is None:
-            out.new_requests.append(NewRequestData(req.request_id, req.all_token_ids, req.num_prompt_tokens,
-                                                   list(req.block_ids), req.num_computed_tokens, req.sampling))
+            out.new_requests.append(NewRequest(req.request_id, req.all_token_ids, req.num_prompt_tokens,
+                                               list(req.block_ids), req.num_computed_tokens, req.sampling))
         else:
-            out.cached_requests.append(CachedRequestData(req.request_id, req.block_ids[num_sent:], computed, num_sent))
+            out.cached_requests.append(CachedRequest(req.request_id, req.block_ids[num_sent:], computed, num_sent))
         reaches_end = computed + num_tokens >= req.num_tokens + emitting
-        req.in_flight = (out.plan_id, num_tokens, out.num_steps if out.num_steps > 1 else int(reaches_end))
+        req.in_flight = InFlight(out.plan_id, num_tokens, out.num_steps if out.num_steps > 1 else int(reaches_end))
         self._num_blocks_sent[req.request_id] = len(req.block_ids)
-        if req.spec_token_ids:
-            out.spec_token_ids[req.request_id] = list(req.spec_token_ids)
-        out.add(req.request_id, num_tokens)
+        out.add(req.request_id, num_tokens, list(req.spec_token_ids))
 
-    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, req: Request, out: StepPlan) -> None:
         self.block_manager.free(req)
         req.num_computed_tokens = 0
         req.spec_token_ids = []
@@ -335,3 +304,8 @@ class Scheduler:
         self.requests.pop(req.request_id, None)
         if self._num_blocks_sent.pop(req.request_id, None) is not None:
             self._finished_ids.append(req.request_id)
+
+
+def _in_flight_counts(req: Request) -> tuple[int, int]:
+    """(tokens computed, tokens emitted) by the request's plan in flight: counted as done."""
+    return (req.in_flight.num_computed, req.in_flight.num_emitted) if req.in_flight else (0, 0)

@@ -12,6 +12,7 @@ from torch import nn
 from engines.dist import Communicator
 from engines.layers.attention import Attention, AttentionBackend
 from engines.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from engines.layers.fused import ops
 from engines.layers.linear import ColumnParallelLinear, RowParallelLinear, SliceReader
 from engines.layers.norm import RMSNorm
 from engines.layers.rotary import RotaryEmbedding
@@ -24,8 +25,7 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, comm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(ops().silu_and_mul(self.gate_up_proj(x)))  # one GEMM for gate and up
 
 
 class DecoderLayer(nn.Module):
@@ -40,9 +40,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, positions, backend, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, backend, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, backend, meta):
+        """x: the last sublayer's output, residual: the stream before it (None at layer 0) → the same
+        pair for the next layer; each residual add is fused into the norm after it."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, backend, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -68,11 +75,14 @@ class LlamaForCausalLM(nn.Module):
                 logits_index: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids/positions: [B, T] → logits of each row's last position [B, V], or of the flattened
         token indices `logits_index` [n] → [n, V] (the paged engine's one-row batches)."""
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(x, positions, backend, meta)
-        last = x[:, -1] if logits_index is None else x.reshape(-1, x.shape[-1])[logits_index]
-        logits = self.lm_head(self.norm(last))
+            x, residual = layer(x, residual, positions, backend, meta)
+        if logits_index is None:  # the rows that sample only, through the last norm and the LM head
+            x, residual = x[:, -1], residual[:, -1]
+        else:
+            x, residual = x.reshape(-1, x.shape[-1])[logits_index], residual.reshape(-1, x.shape[-1])[logits_index]
+        logits = self.lm_head(self.norm(x, residual)[0])
         return logits.float() if logits is not None else None  # None: ranks > 0 (rank 0 samples)
 
     # -- loading ---------------------------------------------------------------------------------

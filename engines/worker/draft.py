@@ -18,7 +18,7 @@ import logging
 
 import torch
 
-from engines.attention.base import SeqSlice
+from engines.attention.base import ForwardBatch, SeqChunk
 from engines.config import ModelConfig
 from engines.core.block_manager import BlockManager
 from engines.core.request import Request
@@ -54,7 +54,9 @@ class DraftProposer:
         self.paged = PagedRunner(self.runner)
         blocks_per_seq = -(-(max_model_len + num_tokens) // block_size)
         num_blocks = max_num_seqs * blocks_per_seq
-        self.paged.allocate(num_blocks, block_size, max_num_seqs, max_num_batched_tokens, attention_backend)
+        # a forward catches up on one whole prompt at most: the buffers take max_model_len tokens
+        self.paged.allocate(num_blocks, block_size, max_num_seqs, max(max_num_batched_tokens, max_model_len),
+                            attention_backend)
         self.paged.warm_up_buckets()
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
         self._seqs: dict[str, Request] = {}  # request id -> the draft's view: its blocks, tokens computed
@@ -81,26 +83,23 @@ class DraftProposer:
                 work.append((req, seq, room))
         guesses: dict[str, list[int]] = {req.request_id: [] for req in requests}
         for group in self._catch_up_groups(work):
-            seqs, ids, positions, last = [], [], [], []
+            chunks, last = [], []
             for req, seq, _ in group:
                 tokens, start = req.all_token_ids, seq.num_computed_tokens
                 n = len(tokens) - start  # a few tokens after a verification: decode rows, not a prefill
-                seqs.append(SeqSlice(len(ids), n, len(tokens), seq.block_ids, speculative=n <= self.num_tokens + 1))
-                ids += tokens[start:]
-                positions += range(start, len(tokens))
-                last.append(len(ids) - 1)
+                chunks.append(SeqChunk(start, n, seq.block_ids, tokens[start:], speculative=n <= self.num_tokens + 1))
+                last.append(sum(c.num_tokens for c in chunks) - 1)
                 # verified tokens but the last, recomputed next time (the guesses past it are overwritten):
                 # a request whose guesses went unverified (not scheduled) still has one token to compute
                 seq.num_computed_tokens = len(tokens) - 1
-            logits = self.paged.run_tokens(seqs, ids, positions, last)
+            logits = self.paged.forward(ForwardBatch(chunks, last))
             for (req, _, _), token in zip(group, logits.argmax(dim=-1).tolist()):
                 guesses[req.request_id].append(token)
         for j in range(1, max((room for _, _, room in work), default=0)):
             batch = [(req, seq) for req, seq, room in work if room > j]
-            context = [req.num_tokens + j for req, _ in batch]
-            seqs = [SeqSlice(i, 1, ctx, seq.block_ids) for i, ((_, seq), ctx) in enumerate(zip(batch, context))]
-            logits = self.paged.run_tokens(seqs, [guesses[req.request_id][-1] for req, _ in batch],
-                                   [ctx - 1 for ctx in context], list(range(len(batch))))
+            chunks = [SeqChunk(req.num_tokens + j - 1, 1, seq.block_ids, [guesses[req.request_id][-1]])
+                      for req, seq in batch]
+            logits = self.paged.forward(ForwardBatch(chunks, list(range(len(batch)))))
             for (req, _), token in zip(batch, logits.argmax(dim=-1).tolist()):
                 guesses[req.request_id].append(token)
         return guesses

@@ -17,7 +17,7 @@ from typing import Union
 
 import msgspec
 
-from engines.core.scheduler import SchedulerOutput
+from engines.core.plan import StepPlan
 from engines.dist import STOP, Communicator
 
 log = logging.getLogger(__name__)
@@ -52,20 +52,22 @@ class WarmUpBuckets(msgspec.Struct, tag="warm_up_buckets"):
         return target.warm_up_buckets()
 
 
-class ApplyPlan(msgspec.Struct, tag="apply_plan"):
-    """A plan that computes nothing (it still carries finished ids and sampled tokens)."""
-
-    plan: SchedulerOutput
-
-    def run(self, target):
-        return target.apply_plan(self.plan)
-
-
 class Execute(msgspec.Struct, tag="execute"):
-    plan: SchedulerOutput
+    """A plan's step (one that computes nothing still carries finished ids); pipelined: launched
+    before the step before it resolves."""
+
+    plan: StepPlan
+    pipelined: bool = False
 
     def run(self, target):
-        return target.execute(self.plan)
+        return target.execute(self.plan, self.pipelined)
+
+
+class Flush(msgspec.Struct, tag="flush"):
+    """Resolve the step still in flight (pipelined)."""
+
+    def run(self, target):
+        return target.flush()
 
 
 # -- the padded engine's operations (PaddedBatch) -----------------------------------------------
@@ -98,7 +100,7 @@ class Retire(msgspec.Struct, tag="retire"):
         return target.retire(self.keep)
 
 
-StepOp = Union[WarmUp, Allocate, WarmUpBuckets, ApplyPlan, Execute, Prefill, Merge, Decode, Retire]
+StepOp = Union[WarmUp, Allocate, WarmUpBuckets, Execute, Flush, Prefill, Merge, Decode, Retire]
 _decoder = msgspec.msgpack.Decoder(StepOp)
 _encoder = msgspec.msgpack.Encoder()
 

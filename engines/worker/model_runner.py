@@ -13,8 +13,10 @@ from typing import Sequence
 import torch
 from transformers import AutoConfig  # here, not in load(): an import, not weight loading
 
+from engines.attention.base import triton_runs
 from engines.config import ModelConfig
 from engines.dist import Communicator, SingleProcess
+from engines.layers.fused import FusedOps
 from engines.layers.linear import choose_cpu_matmul
 from engines.loader import build_model, parameter_bytes, torch_dtype
 from engines.startup import TIMELINE, throughput
@@ -50,6 +52,9 @@ class ModelRunner:
             self.is_native = True
             if self.device.type == "cpu" and self.dtype == torch.bfloat16:
                 self._choose_cpu_matmul(hf)
+            FusedOps.use_triton(self.device.type == "cuda" and triton_runs(self.device))
+            log.info("fused ops (residual add + RMSNorm, rotary, SiLU x mul): %s",
+                     "Triton kernels" if FusedOps.is_triton() else "PyTorch")
         else:
             self._load_hf(hf)
         gen_eos = hf.eos_token_id

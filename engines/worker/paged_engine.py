@@ -1,12 +1,12 @@
 """Rolling batching over a paged KV cache: the step is schedule → execute → sample → update → publish.
 
 The KV cache is sized from the memory budget left after loading the weights; the block manager
-and the token-budget scheduler (engines/core, pure Python) decide what each step computes.
+and the token-budget scheduler (engines/core, pure Python) decide what each step computes; the
+scheduling mode (engines/core/modes.py) picks the step loop (steppers.py) once.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 
 import msgspec
@@ -14,17 +14,21 @@ import msgspec
 from engines.attention.base import select_backend
 from engines.config import LmiConfig, model_max_len
 from engines.core.block_manager import BlockManager
+from engines.core.modes import scheduling_mode
+from engines.core.plan import StepPlan
 from engines.core.request import Request
-from engines.core.scheduler import Scheduler, SchedulerOutput
+from engines.core.scheduler import Scheduler
 from engines.core.spec import NgramProposer
 from engines.startup import TIMELINE
 from engines.protocol import STATE_READY, Add, HealthReply, Output
 from engines.dist import SingleProcess
 from engines.worker.engine_loop import EngineLoop, kv_budget_bytes
-from engines.worker.mirror import Allocate, ApplyPlan, Execute, Mirrored, WarmUp, WarmUpBuckets
+from engines.worker.mirror import Allocate, Execute, Flush, Mirrored, WarmUp, WarmUpBuckets
 from engines.worker.model_runner import ModelRunner
-from engines.worker.paged_runner import DECODE_CUDA_GRAPHS, DECODE_EAGER, DECODE_INDUCTOR, PagedRunner, StepResult
+from engines.worker.paged_runner import DECODE_EAGER, DECODE_GRAPHS, DECODE_INDUCTOR, PagedRunner
 from engines.worker.sampler import PromptLogprobs
+from engines.worker.step_output import StepResult
+from engines.worker.steppers import PipelinedStepper, SpeculativeStepper, SyncStepper
 
 log = logging.getLogger(__name__)
 
@@ -34,26 +38,15 @@ class PagedEngine(EngineLoop):
         super().__init__(config, publish, comm or SingleProcess())
         self.max_model_len = model_max_len(config.model.local_dir, config.model.max_model_len)
         self.runner = ModelRunner(config.model, self.max_model_len, self.comm)
+        self.mode = scheduling_mode(config.scheduler)  # ValueError: the launcher refused it already
         self._prompt = PromptLogprobBuffer()
         self._arrivals = 0
         self.proposer = None  # speculative decoding (engines/core/spec.py, engines/worker/draft.py)
         self.spec = SpecStats()
         self.num_multi_steps = 0  # plans that ran more than one decode step
-        self._in_flight: tuple[SchedulerOutput, concurrent.futures.Future] | None = None
-        # async scheduling: the step thread, which does all of the engine's torch work, loading
-        # included. One thread only: a second thread's OpenMP team (4 threads on 2 cores) makes
-        # libgomp's workers sleep between parallel regions instead of spinning, and a decode step
-        # of the small model took 2-3x as long (docs/paged.md).
-        pipelined, self._scheduling_why = self._scheduling_mode()
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="step") if pipelined else None
+        self.stepper = None
 
     def load(self) -> None:
-        if self._executor is not None:
-            self._executor.submit(self._load).result()
-        else:
-            self._load()
-
-    def _load(self) -> None:
         self.runner.load()
         sched = self.config.scheduler
         block_size = self._block_size()
@@ -75,7 +68,9 @@ class PagedEngine(EngineLoop):
                                    sched.num_scheduler_steps)
         self.paged.target.interrupted = self._arrived  # rank 0 ends a multi-step decode for an arrival
         self.proposer = self._make_proposer(block_size)
-        log.info("scheduling: %s (%s)", "async" if self._executor else "sync", self._scheduling_why)
+        self.stepper = SpeculativeStepper(self, self.proposer) if self.proposer else \
+            PipelinedStepper(self) if self.mode.pipelined else SyncStepper(self)
+        log.info("scheduling: %s (%s)", self.mode.name, self.mode.why)
         log.info("paged KV cache: %d blocks of %d tokens = %d tokens, %d bytes; attention backend %s; "
                  "prefix caching %s; max_num_seqs %d, max_num_batched_tokens %d", num_blocks, block_size,
                  num_blocks * block_size, num_blocks * block_bytes, self.paged.backend.name,
@@ -84,11 +79,11 @@ class PagedEngine(EngineLoop):
     def _make_proposer(self, block_size: int):
         sched = self.config.scheduler
         k = sched.num_speculative_tokens
-        if sched.speculative_method == "ngram":
+        if self.mode.speculative_method == "ngram":
             log.info("speculative decoding: n-gram prompt lookup (%d to %d tokens), %d tokens proposed per step",
                      sched.ngram_prompt_lookup_min, sched.ngram_prompt_lookup_max, k)
             return NgramProposer(k, sched.ngram_prompt_lookup_min, sched.ngram_prompt_lookup_max)
-        if sched.speculative_method == "draft":
+        if self.mode.speculative_method == "draft":
             from engines.worker.draft import DraftProposer
 
             draft = msgspec.structs.replace(self.config.model, local_dir=sched.speculative_model, model_id=None,
@@ -97,16 +92,6 @@ class PagedEngine(EngineLoop):
                 return DraftProposer(draft, k, self.max_model_len, sched.max_num_seqs, sched.max_num_batched_tokens,
                                      block_size, sched.attention_backend, self.runner.model.lm_head.vocab_size)
         return None
-
-    def _scheduling_mode(self) -> tuple[bool, str]:
-        sched = self.config.scheduler
-        if not sched.async_scheduling:
-            return False, "option.async_scheduling=false"
-        if sched.speculative_method:
-            return False, "speculative decoding proposes from the tokens of the step before: not pipelined yet"
-        if sched.num_scheduler_steps > 1:
-            return False, f"option.num_scheduler_steps={sched.num_scheduler_steps} runs its own steps back to back"
-        return True, "the next step is scheduled while this one runs"
 
     def _arrived(self) -> bool:
         return not self.inbox.empty()
@@ -119,7 +104,7 @@ class PagedEngine(EngineLoop):
         if self.runner.device.type == "cuda":
             if self.comm.world_size > 1:  # the collectives inside the step are not captured
                 return DECODE_EAGER, "CUDA graphs are captured at tensor_parallel_degree=1 only"
-            return DECODE_CUDA_GRAPHS, "CUDA: one graph per decode batch bucket"
+            return DECODE_GRAPHS, "CUDA: one graph per decode batch bucket"
         if sched.cpu_compile:
             return DECODE_INDUCTOR, "option.cpu_compile=true: torch.compile (inductor)" + (
                 f", cache in {sched.compile_cache_dir}" if sched.compile_cache_dir else "")
@@ -129,7 +114,7 @@ class PagedEngine(EngineLoop):
         """option.kv_block_size, unless the attention backend needs another (flash-attn: 256)."""
         size = self.config.scheduler.kv_block_size
         backend = select_backend(self.config.scheduler.attention_backend, self.runner.device)
-        need = getattr(backend, "preferred_block_size", None)
+        need = backend.preferred_block_size
         if need and size % need:
             log.info("attention backend %s needs KV blocks of a multiple of %d tokens: using %d, not "
                      "option.kv_block_size=%d", backend.name, need, need, size)
@@ -158,12 +143,9 @@ class PagedEngine(EngineLoop):
                 **self.spec.metrics()}
 
     def stop_ranks(self) -> None:
-        self._drain()
-        if self._executor is None:
-            self.paged.stop()
-        else:
-            self._executor.submit(self.paged.stop).result()
-            self._executor.shutdown()
+        if self.stepper is not None:
+            self.stepper.drain()
+        self.paged.stop()
 
     @property
     def num_waiting(self) -> int:
@@ -186,62 +168,34 @@ class PagedEngine(EngineLoop):
         if self.proposer is not None:
             self.proposer.drop(request_id)
         if not self.scheduler.has_unfinished:
-            self._drain()
-
-    def _propose(self) -> None:
-        """Speculative decoding: guesses for every decoding request that can take them."""
-        sched = self.scheduler
-        reqs = [r for r in sched.running if r.num_tokens - r.num_computed_tokens == 1 and r.can_speculate]
-        rooms = [min(self.proposer.num_tokens, sched.spec_room(r)) for r in reqs]
-        for req, guess in zip(reqs, (self.proposer.propose(reqs, rooms)[r.request_id] for r in reqs)):
-            req.spec_token_ids = guess
+            self.stepper.drain()
 
     def step(self) -> None:
-        """Schedule a plan and run it. One message crosses the ranks per step: the plan (the emitted
-        tokens reach the other ranks' lists within the step). With async scheduling the plan runs on
-        the step thread while this thread applies and publishes the previous plan's results, and the
-        next step() schedules the plan after it with placeholders for this one's tokens: the step
-        thread always has the next plan queued."""
+        """One iteration of the scheduling mode's loop (steppers.py). One message crosses the ranks
+        per step: the plan (the sampled tokens reach the other ranks within the step)."""
         self.num_steps += 1
-        if self.proposer is not None:
-            self._propose()
-        plan = self.scheduler.schedule()
-        if self.proposer is not None:
-            for rid in plan.preempted_ids:
+        self.stepper.step()
+
+    # -- what the steppers call --------------------------------------------------------------------
+    def run_plan(self, plan: StepPlan, pipelined: bool) -> StepResult | None:
+        """The runners' part of a step: sync → this plan's result; pipelined → the previous plan's."""
+        return self.paged.call(Execute(plan, pipelined))
+
+    def flush(self) -> StepResult | None:
+        return self.paged.call(Flush())
+
+    def fail_plans(self, plans: list[StepPlan], exc: Exception) -> None:
+        victims = list(dict.fromkeys(rid for plan in plans for rid in plan.scheduled_ids
+                                     if rid in self.scheduler.requests))
+        for rid in victims:
+            self.scheduler.abort(rid)
+            self._prompt.drop(rid)
+            if self.proposer is not None:
                 self.proposer.drop(rid)
-        if self._executor is None:
-            self._apply(plan, self._run_plan(plan))
-            return
-        previous, self._in_flight = self._in_flight, (plan, self._executor.submit(self._run_plan, plan))
-        if previous is not None:
-            self._apply(previous[0], previous[1].result())
-        if not self.scheduler.has_unfinished:  # the plan in flight was made for requests now finished
-            self._drain()
+        self.fail_step(victims, exc, plans[-1].plan_id)  # plan ids count the steps
 
-    def _drain(self) -> None:
-        if self._in_flight is not None:
-            plan, future = self._in_flight
-            self._in_flight = None
-            self._apply(plan, future.result())
-
-    def _run_plan(self, plan: SchedulerOutput) -> StepResult | Exception | None:
-        """The runners' part of a step (on the step thread with async scheduling)."""
-        if not plan.total_num_scheduled_tokens:  # nothing fits now: still hand over what finished
-            self.paged.call(ApplyPlan(plan))
-            return None
-        try:
-            return self.paged.call(Execute(plan))
-        except Exception as exc:  # noqa: BLE001 (the step's requests fail, with the reason)
-            return exc
-
-    def _apply(self, plan: SchedulerOutput, result: StepResult | Exception | None) -> None:
+    def apply(self, plan: StepPlan, result: StepResult | None) -> None:
         """Apply a plan's results to the scheduler and publish its requests' new tokens."""
-        if isinstance(result, Exception):
-            victims = [rid for rid in plan.num_scheduled_tokens if rid in self.scheduler.requests]
-            for rid in victims:
-                self.abort(rid)
-            self.fail_step(victims, result, plan.plan_id)  # plan ids count the steps
-            return
         requests = self.scheduler.requests
         rids, samples = (result.request_ids, result.samples) if result else ([], [])
         for rid, part in (result.prompt.items() if result else ()):

@@ -1,14 +1,22 @@
-"""Executes the scheduler's plan on the paged KV cache: one flattened token batch per step.
+"""Executes the scheduler's plans on the paged KV cache, one step as a pipeline:
 
-The runner keeps its own copy of what it needs per request (token ids, block table, computed
-count), updated from the plan's diffs, so that the same plan can drive ranks that have no
-scheduler (tensor parallelism).
+    apply_plan(plan)   the runner's own state per request (token ids, block table, computed count)
+                       from the plan's diffs, so that the same plan drives ranks with no scheduler
+    prepare            the plan → a ForwardBatch (each sequence's chunk, the logits rows wanted)
+                       → the persistent step buffers (StepBuffers.write)
+    forward            the model over the buffers: eagerly, compiled (CPU, option.cpu_compile), or
+                       by replaying the bucket's captured graph (decode steps): the same buffers
+    postprocess        sample on the device → PendingStep, its tokens copied to the host unawaited
+    resolve            wait for them → StepResult; every rank appends them to its token lists
 
-Static shapes: a step's token count is padded up to one of a few buckets (token_buckets), and
-every decode bucket runs once before the engine is ready. Padding tokens write their K/V to a
-scratch block that no request owns. Each new matrix shape costs the CPU's oneDNN kernels a new
-primitive (~0.4 MiB each, cached up to 1024): with free token counts the engine's memory crept up
-by tens of MiB under load as new counts appeared; with buckets there are a few dozen shapes.
+Pipelined (async scheduling), `execute(plan, pipelined=True)` launches a step before resolving the
+one before it: the host prepares step k + 1 while the device runs step k, and the token each
+request sampled at step k reaches step k + 1's input on the device (`SeqChunk.fed_row`). With
+tensor parallelism rank 0 broadcasts the sampled ids on the device each step; ranks > 0 feed and
+append them the same way.
+
+Static shapes: a step's tokens are padded to a bucket (step_buffers.py); every decode bucket runs
+once before the engine is ready; on CUDA each is then captured as a graph (step_graphs.py).
 """
 
 from __future__ import annotations
@@ -16,26 +24,27 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from engines.attention.base import AttentionBackend, SeqSlice, bucket, select_backend, token_buckets
-from engines.core.scheduler import SchedulerOutput
-from engines.worker.cuda_graphs import DecodeGraphs
+from engines.attention.base import AttentionBackend, ForwardBatch, SeqChunk, select_backend
+from engines.core.plan import StepPlan
 from engines.worker.model_runner import ModelRunner
-from engines.worker.sampler import PromptLogprobs, SampleResult, Sampler, prompt_logprobs, to_top_lists
+from engines.worker.sampler import SampleResult, Sampler, prompt_logprobs
+from engines.worker.step_buffers import StepBuffers
+from engines.worker.step_graphs import StepGraphs
+from engines.worker.step_output import HostCopy, PendingStep, StepResult
 
-
-# how a decode-only step runs (the engine chooses; docs/paged.md)
+# how a decode step runs (the engine chooses; docs/paged.md)
 DECODE_EAGER = "eager"
 DECODE_INDUCTOR = "inductor"  # CPU with option.cpu_compile: torch.compile
-DECODE_CUDA_GRAPHS = "cuda_graphs"  # CUDA at TP 1 unless option.enforce_eager
+DECODE_GRAPHS = "graphs"  # captured CUDA graphs per bucket (on CPU, tests: the same static buffers, eagerly)
 
 
 @dataclass
 class _SeqState:
-    token_ids: list[int]
+    token_ids: list[int]  # prompt + the emitted tokens the host has (the newest may be on the device still)
     block_ids: list[int]
     num_computed_tokens: int
     num_prompt_tokens: int
@@ -43,20 +52,12 @@ class _SeqState:
 
 
 @dataclass
-class StepResult:
-    """What a step produced on rank 0: per request whose chunk reached its end the tokens it emits
-    (one, or more with speculative decoding and multi-step decode), and the log-probs of the prompt
-    tokens this step's chunks predicted, for requests that ask."""
-
-    request_ids: list[str]
-    samples: list[SampleResult]  # per request: its tokens, their log-probs and top tokens
-    prompt: dict[str, PromptLogprobs] = field(default_factory=dict)
-    num_steps: int = 1  # forwards run (multi-step: fewer than planned when an arrival ended the run)
-
-
-def split_rows(sample: SampleResult) -> list[SampleResult]:
-    """One SampleResult of B rows → B of one token each."""
-    return [SampleResult([t], [lp], [top]) for t, lp, top in zip(sample.token_ids, sample.log_probs, sample.top_tokens)]
+class _Prepared:
+    batch: ForwardBatch
+    sampling_ids: list[str]  # requests whose chunk reaches the end: one token each (logits rows first)
+    spec_ids: list[str]  # requests verifying proposals (their rows last)
+    drafts: list[list[int]]
+    prompt_rows: list[tuple[str, int, int]]  # (request, first predicted position, count), rows in between
 
 
 class PagedRunner:
@@ -68,26 +69,30 @@ class PagedRunner:
                              "use option.rolling_batch=scheduler for others")
         self.runner = runner
         self.backend: AttentionBackend | None = None
+        self.buffers: StepBuffers | None = None
         self.states: dict[str, _SeqState] = {}
         self.samples = runner.comm.rank == 0  # the logits land on rank 0 only
         self.sampler = Sampler(runner.device)
         self.decode_mode = DECODE_EAGER
-        self._decode_model = runner.model  # what runs a decode-only step (compiled with DECODE_INDUCTOR)
-        self._graphs: DecodeGraphs | None = None
+        self._decode_model = runner.model  # what runs a decode step eagerly (compiled with DECODE_INDUCTOR)
+        self.graphs: StepGraphs | None = None
+        self._pending: PendingStep | None = None  # launched, not resolved (pipelined)
+        self._fed: tuple[torch.Tensor, dict[str, int]] | None = None  # the last step's sampled ids, rows
         # rank 0: whether a multi-step decode should stop after this step (the engine: a request arrived)
         self.interrupted: Callable[[], bool] = lambda: False
 
     def allocate(self, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
                  attention_backend: str = "auto", decode_mode: str = DECODE_EAGER,
                  compile_cache_dir: str | None = None) -> None:
-        """The attention backend and its KV cache (rank 0 sizes it and tells the others), and how
-        decode steps run (decode_mode, chosen by the engine: docs/paged.md)."""
+        """The attention backend and its KV cache (rank 0 sizes it and tells the others), the step
+        buffers, and how decode steps run (decode_mode, chosen by the engine: docs/paged.md)."""
         r = self.runner
         cls = select_backend(attention_backend, r.device)
         self.backend = cls(r.num_layers, r.num_kv_heads, r.head_dim, block_size, r.dtype, r.device)
+        self.backend.allocate(num_blocks)
         max_blocks = -(-r.max_model_len // block_size)
-        self.backend.allocate(num_blocks, max_num_seqs, max_blocks)
-        self.buckets = token_buckets(max_num_batched_tokens)
+        self.buffers = StepBuffers(max(max_num_batched_tokens, max_num_seqs), max_num_seqs, max_blocks, block_size,
+                                   self.backend.scratch_block, r.device)
         self.decode_mode = decode_mode
         if decode_mode == DECODE_INDUCTOR:
             if compile_cache_dir:  # read when inductor first compiles: a restart finds its code there
@@ -99,30 +104,33 @@ class PagedRunner:
             forward = type(r.model).forward
             self._decode_model = torch.compile(functools.partial(getattr(forward, "__wrapped__", forward), r.model),
                                                dynamic=None)
-        elif decode_mode == DECODE_CUDA_GRAPHS:
-            self._graphs = DecodeGraphs(r.model, self.backend, self.backend.decode_buckets, max_blocks, r.device)
+        elif decode_mode == DECODE_GRAPHS:
+            self.graphs = StepGraphs(self._run_model, self.backend, self.buffers)
 
     @torch.inference_mode()
     def warm_up_buckets(self) -> None:
-        """The shapes of every decode step, before serving: a forward of padding at each step size up
-        to max_num_seqs (with logits for as many sampled rows) and the backend's attention shapes.
-        The few larger step sizes (prefill chunks) are made on first use: running them all up front
-        costs a forward of thousands of tokens, minutes for a 1 B model on a CPU."""
-        decode = self.backend.decode_buckets
-        for size in sorted({b for b in self.buckets if b <= decode[-1]} | set(decode)):
-            self._forward([], [], [], list(range(size)), size)
-            if self.decode_mode == DECODE_INDUCTOR and size in decode:  # compile every decode bucket now
-                self._forward([], [], [], list(range(size)), size, decode_only=True)
-        self.backend.warm_up(self.runner.model.num_heads)
-        if self._graphs is not None:
-            self._graphs.capture()
+        """The shapes of every decode step, before serving: a decode step of each bucket up to
+        max_num_seqs (padding on the scratch block, logits for every row), and the backend's kernel
+        shapes; then the graphs are captured. Larger step sizes (prefill chunks) are made on first
+        use: running them all up front costs a forward of thousands of tokens, minutes for a 1 B
+        model on a CPU."""
+        b = self.buffers
+        self.backend.warm_up(self.runner.model.num_heads, b.decode_buckets, b.width_buckets)
+        scratch = [self.backend.scratch_block]
+        for size in b.decode_buckets:
+            batch = ForwardBatch([SeqChunk(0, 1, scratch, [0]) for _ in range(size)], list(range(size)))
+            self.forward(batch)
+            if self.decode_mode == DECODE_INDUCTOR:  # compile every decode bucket now
+                self.forward(batch)
+        if self.graphs is not None:
+            self.graphs.capture()
 
     def warm_up(self, num_tokens: int) -> int:
         return self.runner.warm_up(num_tokens)
 
-    def apply_plan(self, plan: SchedulerOutput) -> None:
+    def apply_plan(self, plan: StepPlan) -> None:
         """Take in what changed: finished/preempted requests, new ones, new blocks. (The tokens each
-        step emits reach every rank's lists within the step: `_append`.)"""
+        step emits reach every rank's lists when it resolves.)"""
         for rid in plan.finished_ids:
             self.states.pop(rid, None)
             self.sampler.remove(rid)
@@ -142,158 +150,217 @@ class PagedRunner:
             st.num_computed_tokens = cached.num_computed_tokens
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput) -> StepResult | None:
-        """Run the step and sample (rank 0) or verify proposed tokens; every rank appends the
-        emitted tokens to its lists. → on rank 0 what the step produced (None on other ranks, or
-        when nothing was sampled)."""
+    def execute(self, plan: StepPlan, pipelined: bool = False) -> StepResult | None:
+        """Run the plan's step. Sync: → its result (rank 0; None on other ranks or when nothing was
+        emitted). Pipelined: launch it, then → the result of the step launched before it."""
+        try:
+            launched = self._launch(plan)
+            if not pipelined:
+                return self._resolve(launched)
+            previous, self._pending = self._pending, launched
+            return self._resolve(previous)
+        except BaseException:  # the engine fails the requests of both steps: start clean
+            self._pending = self._fed = None
+            raise
+
+    @torch.inference_mode()
+    def flush(self) -> StepResult | None:
+        """Pipelined: → the result of the step still unresolved (the engine has nothing more to run)."""
+        previous, self._pending = self._pending, None
+        return self._resolve(previous)
+
+    def _resolve(self, pending: PendingStep | None) -> StepResult | None:
+        if pending is None:
+            return None
+        for rid, toks in zip(pending.request_ids, pending.token_lists()):
+            state = self.states.get(rid)
+            if state is not None:  # (a request preempted meanwhile comes back with the scheduler's tokens)
+                state.token_ids += toks
+        return pending.result()
+
+    def _launch(self, plan: StepPlan) -> PendingStep | None:
         self.apply_plan(plan)
+        if not plan.scheduled:
+            return None
         if plan.num_steps > 1:
             return self._multi_step(plan)
-        seqs: list[SeqSlice] = []
-        ids: list[int] = []
-        positions: list[int] = []
-        logits_index: list[int] = []
-        sampling_ids: list[str] = []
-        prompt_index: list[int] = []  # rows whose logits predict a prompt token, for requests that ask
-        prompt_rows: list[tuple[str, int, int]] = []  # (request, first predicted position, count)
-        spec_index: list[int] = []  # rows of the speculating requests: their last token and each proposal
-        spec_ids: list[str] = []
-        drafts: list[list[int]] = []
-        for rid, n in plan.num_scheduled_tokens.items():
+        prep = self._prepare(plan)
+        logits = self.forward(prep.batch)
+        if prep.spec_ids:
+            return self._verify(prep, logits)
+        return self._sample(prep, logits)
+
+    def _prepare(self, plan: StepPlan) -> _Prepared:
+        """The plan's chunks, with the rows whose logits the step needs: first one per request whose
+        chunk reaches the end of its tokens (it samples), then the prompt positions of requests that
+        ask for the prompt's log-probs, then every row of the requests verifying proposals."""
+        chunks: list[SeqChunk] = []
+        sample_rows: list[int] = []
+        prompt_rows: list[int] = []
+        spec_rows: list[int] = []
+        prep = _Prepared(ForwardBatch(chunks, []), [], [], [], [])
+        num_tokens = 0
+        fed_rows = self._fed[1] if self._fed is not None else {}
+        for seq in plan.scheduled:
+            rid, n, draft = seq.request_id, seq.num_tokens, seq.spec_token_ids
             st = self.states[rid]
-            start = st.num_computed_tokens
-            draft = plan.spec_token_ids.get(rid, [])
-            if st.prompt_top_n is not None:  # position p's logits predict prompt token p + 1
-                end = min(start + n, st.num_prompt_tokens - 1)
-                if end > start:
-                    prompt_index += range(len(ids), len(ids) + end - start)
-                    prompt_rows.append((rid, start + 1, end - start))
-            seqs.append(SeqSlice(len(ids), n, start + n, st.block_ids, speculative=bool(draft)))
+            start, known = st.num_computed_tokens, len(st.token_ids)
+            end = start + n - len(draft)  # the request's own tokens up to here, then the proposals
+            fed = fed_rows.get(rid, -1) if end > known else -1
+            if end > known + (fed >= 0):
+                raise AssertionError(f"{rid}: tokens {start}..{end} scheduled, {known} on the host, "
+                                     f"{'one' if fed >= 0 else 'none'} on the device")
+            chunks.append(SeqChunk(start, n, st.block_ids, st.token_ids[start:end] + draft, fed, bool(draft)))
+            if st.prompt_top_n is not None and min(start + n, st.num_prompt_tokens - 1) > start:
+                count = min(start + n, st.num_prompt_tokens - 1) - start  # position p predicts prompt token p + 1
+                prompt_rows += range(num_tokens, num_tokens + count)
+                prep.prompt_rows.append((rid, start + 1, count))
             if draft:
-                spec_index += range(len(ids), len(ids) + n)
-                spec_ids.append(rid)
-                drafts.append(draft)
-            ids += st.token_ids[start:start + n - len(draft)] + draft
-            positions += range(start, start + n)
-            if start + n == len(st.token_ids):  # the chunk reaches the end: it yields a token
-                logits_index.append(len(ids) - 1)
-                sampling_ids.append(rid)
+                spec_rows += range(num_tokens, num_tokens + n)
+                prep.spec_ids.append(rid)
+                prep.drafts.append(draft)
+            elif end == known + (fed >= 0):  # the chunk reaches the end: it yields a token
+                sample_rows.append(num_tokens + n - 1)
+                prep.sampling_ids.append(rid)
             st.num_computed_tokens = start + n
-        if not ids:
-            return None
-        logits = self.run_tokens(seqs, ids, positions, logits_index + prompt_index + spec_index)
-        emitting = sampling_ids + spec_ids
-        if logits is None:  # ranks > 0: the tokens come from rank 0
-            self._append(emitting, self._share(emitting, [1] * len(sampling_ids) + [len(d) + 1 for d in drafts]))
-            return None
-        prompt, row = {}, len(logits_index)
-        for rid, first, count in prompt_rows:
+            num_tokens += n
+        prep.batch.logits_rows = sample_rows + prompt_rows + spec_rows
+        return prep
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """The model over one batch (a plan's step, a multi-step run's, the draft proposer's) → the
+        logits of its `logits_rows` [n, V] (None on ranks > 0). A decode step replays its bucket's
+        graph when there is one; otherwise the model runs eagerly (decode steps: compiled with
+        DECODE_INDUCTOR) over the same buffers."""
+        fed = self._fed[0] if self._fed is not None else None
+        view = self.buffers.write(batch, fed)
+        if view.decode_only and self.graphs is not None and self.graphs.can_run(view.num_seqs):
+            logits = self.graphs.replay(view.num_seqs)
+        else:
+            model = self._decode_model if view.decode_only else self.runner.model
+            logits = self._run_model(view, self.backend.metadata(view), model)
+        return logits[:len(batch.logits_rows)] if logits is not None else None
+
+    def _run_model(self, view, meta, model=None) -> torch.Tensor | None:
+        model = model or self.runner.model
+        return model(view.input_ids.view(1, -1), view.positions.view(1, -1), self.backend, meta, view.logits_indices)
+
+    def _sample(self, prep: _Prepared, logits: torch.Tensor | None) -> PendingStep:
+        """Sample on the device (rank 0), share the ids with the other ranks on the device, keep them
+        for the next step's input, and start their copy to the host."""
+        rids = prep.sampling_ids
+        ids = lps = top = None
+        if logits is not None and rids:
+            ids, lps, top = self.sampler.sample_on_device(logits[:len(rids)], rids)
+        ids = self._share_ids(ids, len(rids))
+        self._fed = (ids, {rid: i for i, rid in enumerate(rids)}) if ids is not None else None
+        pending = PendingStep(rids, is_rank0=self.samples)
+        if logits is not None:
+            pending.prompt = self._prompt_logprobs(prep, logits[len(rids):])
+            parts = [ids.view(-1, 1), lps.view(-1, 1)] if rids else [torch.zeros(0, 1, dtype=torch.long)] * 2
+            if top is not None:
+                parts += [top[0].unsqueeze(1), top[1].unsqueeze(1)]
+            pending.copy, pending.top_ns = HostCopy(parts), self.sampler.top_ns(rids)
+        else:
+            pending.copy = HostCopy([ids.view(-1, 1) if ids is not None else torch.zeros(0, 1, dtype=torch.long)])
+        return pending
+
+    def _share_ids(self, ids: torch.Tensor | None, n: int) -> torch.Tensor | None:
+        """Rank 0's sampled ids [n] on every rank (a device broadcast with tensor parallelism)."""
+        comm = self.runner.comm
+        if comm.world_size == 1 or not n:
+            return ids
+        if ids is None:
+            ids = torch.empty(n, dtype=torch.long, device=self.runner.device)
+        return comm.broadcast(ids)
+
+    def _prompt_logprobs(self, prep: _Prepared, logits: torch.Tensor) -> dict:
+        out, row = {}, 0
+        for rid, first, count in prep.prompt_rows:
             st = self.states[rid]
-            prompt[rid] = prompt_logprobs(logits[row:row + count], st.token_ids[first:first + count], first,
-                                          st.prompt_top_n)
+            out[rid] = prompt_logprobs(logits[row:row + count], st.token_ids[first:first + count], first,
+                                       st.prompt_top_n)
             row += count
-        samples = split_rows(self.sampler.sample(logits[:len(logits_index)], sampling_ids)) if sampling_ids else []
-        if spec_ids:
-            samples += self.sampler.verify(logits[row:], spec_ids, drafts)
-        if not (emitting or prompt):
-            return None
-        self._append(emitting, self._share(emitting, [1] * len(sampling_ids) + [len(d) + 1 for d in drafts],
-                                           [s.token_ids for s in samples]))
-        return StepResult(emitting, samples, prompt)
+        return out
 
-    def _multi_step(self, plan: SchedulerOutput) -> StepResult | None:
-        """plan.num_steps decode steps of every scheduled request, each step's sampled tokens fed to
-        the next on the device; the slots for all of them are allocated. Rank 0 ends the run early
-        when `interrupted()` (an arrival: its prefill should not wait), and tells the other ranks
-        with the tokens."""
-        rids = list(plan.num_scheduled_tokens)
-        states = [self.states[rid] for rid in rids]
-        device = self.runner.device
-        tokens = torch.tensor([st.token_ids[st.num_computed_tokens] for st in states], dtype=torch.long,
-                              device=device)
-        steps: list[tuple] = []  # rank 0: per step (token ids, log-probs, top) on the device
-        for j in range(plan.num_steps):
-            seqs = [SeqSlice(i, 1, st.num_computed_tokens + 1, st.block_ids) for i, st in enumerate(states)]
-            positions = [st.num_computed_tokens for st in states]
-            logits = self.run_tokens(seqs, tokens, positions, list(range(len(rids))))
-            for st in states:
-                st.num_computed_tokens += 1
-            go_on = j + 1 < plan.num_steps
-            if logits is not None:
-                steps.append(self.sampler.sample_on_device(logits, rids))
-                tokens = steps[-1][0]
-                go_on = go_on and not self.interrupted()
-            if self.runner.comm.world_size > 1:
-                tokens, go_on = self._share_step(tokens, go_on)
-                if logits is None:
-                    self._append(rids, [[t] for t in tokens.tolist()])
-            if not go_on:
-                break
-        num_steps = j + 1
-        if not steps:  # ranks > 0 appended as they went
-            return None
-        token_ids = torch.stack([s[0] for s in steps], dim=1).tolist()  # [B, steps]: the one host sync
-        log_probs = torch.stack([s[1] for s in steps], dim=1).tolist()
-        top_ns = self.sampler.top_ns(rids)
-        tops = [to_top_lists(s[2], top_ns) for s in steps]
-        samples = [SampleResult(token_ids[i], log_probs[i], [t[i] for t in tops]) for i in range(len(rids))]
-        self._append(rids, token_ids)
-        return StepResult(rids, samples, num_steps=num_steps)
+    def _verify(self, prep: _Prepared, logits: torch.Tensor | None) -> PendingStep:
+        """A step with proposals to verify (sync: decided on the host): the sampling rows as usual,
+        the proposals by `Sampler.verify`; the emitted tokens shared as lists."""
+        rids = prep.sampling_ids + prep.spec_ids
+        counts = [1] * len(prep.sampling_ids) + [len(d) + 1 for d in prep.drafts]
+        self._fed = None
+        if logits is None:
+            shared = [SampleResult(toks, [], []) for toks in self._share_lists(counts)]
+            return PendingStep(rids, samples=shared, is_rank0=False)
+        n = len(prep.sampling_ids)
+        samples = self.sampler.sample(logits[:n], prep.sampling_ids).split_rows() if n else []
+        num_prompt = sum(count for _, _, count in prep.prompt_rows)
+        samples += self.sampler.verify(logits[n + num_prompt:], prep.spec_ids, prep.drafts)
+        self._share_lists(counts, [s.token_ids for s in samples])
+        return PendingStep(rids, samples=samples, prompt=self._prompt_logprobs(prep, logits[n:]))
 
-    def _share_step(self, tokens: torch.Tensor, go_on: bool) -> tuple[torch.Tensor, bool]:
-        """A multi-step decode at TP > 1: rank 0's sampled tokens and whether to go on, to every rank."""
+    def _share_lists(self, max_counts: list[int], token_ids: list[list[int]] | None = None) -> list[list[int]]:
+        """Rank 0's emitted tokens (up to max_counts[i] each) → on every rank."""
         comm = self.runner.comm
-        buf = torch.cat([tokens.view(-1), torch.tensor([int(go_on)], device=tokens.device)]) if comm.rank == 0 \
-            else torch.empty(tokens.numel() + 1, dtype=torch.long, device=tokens.device)
-        buf = comm.broadcast(buf)
-        return buf[:-1], bool(buf[-1])
-
-    def _share(self, rids: list[str], max_counts: list[int], token_ids: list[list[int]] | None = None) -> list[list[int]]:
-        """Rank 0's emitted tokens (up to max_counts[i] for rids[i]) → on every rank."""
-        comm = self.runner.comm
-        if comm.world_size == 1 or not rids:
+        if comm.world_size == 1:
             return token_ids or []
-        buf = torch.full((sum(max_counts),), -1, dtype=torch.long, device=self.runner.device)
         if comm.rank == 0:
             flat = [t for toks, m in zip(token_ids, max_counts) for t in toks + [-1] * (m - len(toks))]
             buf = torch.tensor(flat, dtype=torch.long, device=self.runner.device)
+        else:
+            buf = torch.full((sum(max_counts),), -1, dtype=torch.long, device=self.runner.device)
         values, out, i = comm.broadcast(buf).tolist(), [], 0
         for m in max_counts:
             out.append([t for t in values[i:i + m] if t >= 0])
             i += m
         return out
 
-    def _append(self, rids: list[str], token_ids: list[list[int]]) -> None:
-        for rid, toks in zip(rids, token_ids):
-            self.states[rid].token_ids += toks
+    def _multi_step(self, plan: StepPlan) -> PendingStep:
+        """plan.num_steps decode steps of every scheduled request, each step's sampled tokens fed to
+        the next on the device; the slots for all of them are allocated. Rank 0 ends the run early
+        when `interrupted()` (an arrival: its prefill should not wait), and tells the other ranks
+        with the tokens."""
+        rids = plan.scheduled_ids
+        states = [self.states[rid] for rid in rids]
+        rows = {rid: i for i, rid in enumerate(rids)}
+        steps: list[tuple] = []  # per step (token ids, log-probs, top) on the device
+        for j in range(plan.num_steps):
+            # step 0 reads each request's last token from the host, the later ones the tokens just sampled
+            chunks = [SeqChunk(st.num_computed_tokens, 1, st.block_ids,
+                               [] if j else st.token_ids[st.num_computed_tokens:st.num_computed_tokens + 1],
+                               i if j else -1) for i, st in enumerate(states)]
+            logits = self.forward(ForwardBatch(chunks, list(range(len(rids)))))
+            for st in states:
+                st.num_computed_tokens += 1
+            go_on = j + 1 < plan.num_steps
+            tokens = None
+            if self.samples:
+                steps.append(self.sampler.sample_on_device(logits, rids))
+                tokens = steps[-1][0]
+                go_on = go_on and not self.interrupted()
+            if self.runner.comm.world_size > 1:
+                tokens, go_on = self._share_step(tokens, len(rids), go_on)
+                if not self.samples:
+                    steps.append((tokens,))
+            self._fed = (tokens, rows)
+            if not go_on:
+                break
+        pending = PendingStep(rids, num_steps=j + 1, is_rank0=self.samples)
+        parts = [torch.stack([s[0] for s in steps], dim=1)]  # [B, steps]
+        if self.samples:
+            parts.append(torch.stack([s[1] for s in steps], dim=1))
+            if steps[0][2] is not None:
+                parts += [torch.stack([s[2][0] for s in steps], dim=1), torch.stack([s[2][1] for s in steps], dim=1)]
+            pending.top_ns = self.sampler.top_ns(rids)
+        pending.copy = HostCopy(parts)
+        return pending
 
-    def run_tokens(self, seqs: list[SeqSlice], ids: list[int] | torch.Tensor, positions: list[int],
-                   logits_index: list[int]) -> torch.Tensor | None:
-        """A forward over one flattened batch (a step's, or the draft proposer's) → the logits of
-        the `logits_index` tokens (None on ranks > 0). Padded to a step-size bucket; a whole decode
-        step replays its captured graph when there is one, else runs eagerly (or compiled)."""
-        decode_only = len(ids) == len(seqs)
-        size = bucket(self.backend.decode_buckets if decode_only else self.buckets, len(ids))
-        if decode_only and self._graphs is not None and self._graphs.can_run(size):
-            # the graph gives every token's logits; keep the rows the eager path would (a one-token
-            # chunk inside a prompt samples nothing)
-            rows = torch.tensor(logits_index, dtype=torch.long, device=self.runner.device)
-            return self._graphs.run(seqs, ids, positions, size).index_select(0, rows)
-        return self._forward(seqs, ids, positions, logits_index, size, decode_only)
-
-    def _forward(self, seqs: list[SeqSlice], ids: list[int] | torch.Tensor, positions: list[int],
-                 logits_index: list[int], size: int, decode_only: bool = False) -> torch.Tensor:
-        """The model over `ids` padded to `size` tokens → logits of the `logits_index` tokens (their
-        count padded to a decode bucket too: the LM head's shapes are static as well). A decode-only
-        step runs the decode model (compiled with DECODE_INDUCTOR)."""
-        device = self.runner.device
-        ids = torch.as_tensor(ids, dtype=torch.long, device=device)
-        ids = torch.nn.functional.pad(ids, (0, size - ids.numel()))
-        positions = positions + [0] * (size - len(positions))
-        n = len(logits_index)
-        rows = bucket(self.backend.decode_buckets, n)
-        meta = self.backend.build_metadata(seqs, size)
-        model = self._decode_model if decode_only else self.runner.model
-        logits = model(ids.view(1, -1), torch.tensor([positions], device=device), self.backend, meta,
-                       torch.tensor(logits_index + [0] * (rows - n), dtype=torch.long, device=device))
-        return logits[:n] if logits is not None else None
+    def _share_step(self, tokens: torch.Tensor | None, n: int, go_on: bool) -> tuple[torch.Tensor, bool]:
+        """A multi-step decode at TP > 1: rank 0's sampled tokens and whether to go on, to every rank."""
+        comm, device = self.runner.comm, self.runner.device
+        if comm.rank == 0:
+            buf = torch.cat([tokens.view(-1), torch.tensor([int(go_on)], device=device)])
+        else:
+            buf = torch.empty(n + 1, dtype=torch.long, device=device)
+        buf = comm.broadcast(buf)
+        return buf[:-1], bool(buf[-1])

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engines.attention.base import to_device
 from engines.sampling_params import SamplingParams
 
 
@@ -29,6 +30,10 @@ class SampleResult:
     token_ids: list[int]
     log_probs: list[float]
     top_tokens: list[list[tuple[int, float]]]  # per row: top_n (id, log_prob), empty when not asked
+
+    def split_rows(self) -> list[SampleResult]:
+        """One SampleResult of B rows (one token each) → B of one token each."""
+        return [SampleResult([t], [lp], [top]) for t, lp, top in zip(self.token_ids, self.log_probs, self.top_tokens)]
 
 
 @dataclass
@@ -113,12 +118,13 @@ class Sampler:
         logits = _apply_penalties(logits, states)
         sampled_rows = [i for i, p in enumerate(params) if p.do_sample]
         if sampled_rows:
-            logits = logits.clone()
-            logits[sampled_rows] = _warp(logits[sampled_rows], [params[i] for i in sampled_rows])
+            rows = to_device(sampled_rows, logits.device, torch.long)
+            logits = logits.index_copy(0, rows, _warp(logits.index_select(0, rows), [params[i] for i in sampled_rows]))
         log_probs = torch.log_softmax(logits, dim=-1)  # [B, V]
         chosen = log_probs.argmax(dim=-1)
         if sampled_rows:
-            chosen[sampled_rows] = self._race(log_probs[sampled_rows].exp(), [states[i].generator for i in sampled_rows])
+            drawn = self._race(log_probs.index_select(0, rows).exp(), [states[i].generator for i in sampled_rows])
+            chosen = chosen.index_copy(0, rows, drawn)
         chosen_lp = log_probs.gather(1, chosen.view(-1, 1)).view(-1)
         top_n = max(p.top_n_tokens for p in params)
         top = log_probs.topk(top_n, dim=-1) if top_n else None
@@ -215,47 +221,51 @@ def _apply_penalties(logits: torch.Tensor, states: list[_RequestState]) -> torch
     out = [i for i, s in enumerate(states) if s.counts is not None]
     if not rep and not out:
         return logits
-    logits = logits.clone()
+    dev = logits.device
     if rep:
+        index = to_device(rep, dev, torch.long)
         seen = torch.stack([states[i].seen for i in rep])  # [R, V]
-        penalty = torch.tensor([states[i].params.repetition_penalty for i in rep], device=logits.device).view(-1, 1)
-        rows = logits[rep]
-        logits[rep] = torch.where(seen, torch.where(rows > 0, rows / penalty, rows * penalty), rows)
+        penalty = to_device([states[i].params.repetition_penalty for i in rep], dev).view(-1, 1)
+        rows = logits.index_select(0, index)
+        logits = logits.index_copy(0, index, torch.where(seen, torch.where(rows > 0, rows / penalty, rows * penalty),
+                                                         rows))
     if out:
+        index = to_device(out, dev, torch.long)
         counts = torch.stack([states[i].counts for i in out])  # [R, V]
-        freq = torch.tensor([states[i].params.frequency_penalty for i in out], device=logits.device).view(-1, 1)
-        pres = torch.tensor([states[i].params.presence_penalty for i in out], device=logits.device).view(-1, 1)
-        logits[out] -= freq * counts + pres * (counts > 0).to(logits.dtype)
+        freq = to_device([states[i].params.frequency_penalty for i in out], dev).view(-1, 1)
+        pres = to_device([states[i].params.presence_penalty for i in out], dev).view(-1, 1)
+        logits = logits.index_copy(0, index, logits.index_select(0, index) - freq * counts
+                                   - pres * (counts > 0).to(logits.dtype))
     return logits
 
 
 def _warp(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature for every row, then min-p, top-k and top-p for the rows that ask ([n, V] → [n, V]
     with -inf outside); only top-k/top-p rows sort the vocabulary."""
-    temps = torch.tensor([p.temperature for p in params], device=logits.device).view(-1, 1)
-    logits = logits / temps
+    dev = logits.device
+    logits = logits / to_device([p.temperature for p in params], dev).view(-1, 1)
     vocab = logits.shape[1]
     with_min_p = [i for i, p in enumerate(params) if p.min_p > 0.0]
     if with_min_p:  # after temperature, before top-k/top-p, as vLLM orders them
-        rows = logits[with_min_p]
+        index = to_device(with_min_p, dev, torch.long)
+        rows = logits.index_select(0, index)
         probs = rows.softmax(dim=-1)
-        floor = probs.max(dim=-1, keepdim=True).values * torch.tensor(
-            [params[i].min_p for i in with_min_p], device=logits.device).view(-1, 1)
-        logits[with_min_p] = rows.masked_fill(probs < floor, float("-inf"))
+        floor = probs.max(dim=-1, keepdim=True).values * to_device([params[i].min_p for i in with_min_p], dev).view(-1, 1)
+        logits = logits.index_copy(0, index, rows.masked_fill(probs < floor, float("-inf")))
     cut = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
     if not cut:
         return logits
-    rows = logits[cut]
-    ks = torch.tensor([params[i].top_k if 0 < params[i].top_k < vocab else vocab for i in cut], device=logits.device)
+    index = to_device(cut, dev, torch.long)
+    rows = logits.index_select(0, index)
+    ks = to_device([params[i].top_k if 0 < params[i].top_k < vocab else vocab for i in cut], dev, torch.long)
     sorted_logits, order = rows.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=logits.device).view(1, -1)
+    ranks = torch.arange(vocab, device=dev).view(1, -1)
     drop = ranks >= ks.view(-1, 1)
-    top_ps = torch.tensor([params[i].top_p for i in cut], device=logits.device).view(-1, 1)
-    if (top_ps < 1.0).any():
+    top_ps = to_device([params[i].top_p for i in cut], dev).view(-1, 1)
+    if any(params[i].top_p < 1.0 for i in cut):
         probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
         before = probs.cumsum(dim=-1) - probs  # mass of strictly better tokens
         drop |= before >= top_ps  # keep the smallest prefix whose mass reaches top_p
     drop[:, 0] = False  # the best token always stays (a top_p that rounds to 0 in float32 must not empty a row)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    logits[cut] = torch.empty_like(rows).scatter_(1, order, sorted_logits)
-    return logits
+    return logits.index_copy(0, index, torch.empty_like(rows).scatter_(1, order, sorted_logits))
