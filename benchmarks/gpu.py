@@ -8,7 +8,8 @@ Phases, each with a deadline inside --budget-s (a phase that cannot fit is skipp
   model      the 7B-shape checkpoint written on the GPU (seeded, shard by shard), or reused
   tests      python -m pytest -q tests/test_gpu.py (its summary line)
   bandwidth  the best of 10 device-to-device copies of 2 GiB, read + write bytes counted; the
-             batch-1 floor is weight bytes / that bandwidth
+             batch-1 floor is the weight bytes a decode step reads (all but the input embedding,
+             of which it reads a row a token) / that bandwidth
   hf         HF generate, bf16, sdpa: batch-1 ms/token and batch-N tok/s (32-token prompts)
   servers    dynamic, padded, paged and the paged variants, one at a time, each measured for
              batch-1 ms/token, N concurrent clients' tok/s, and the TTFT of a long prompt
@@ -151,15 +152,18 @@ def write_random_llama(out_dir: str, shape: dict, seed: int, device: str) -> dic
     return card
 
 
-def count_parameters(model_dir: str) -> int:
-    """From the safetensors headers alone."""
-    n = 0
+def count_parameters(model_dir: str) -> tuple[int, int]:
+    """(all parameters, those of the input embedding), from the safetensors headers alone."""
+    n = embedding = 0
     for name in os.listdir(model_dir):
         if name.endswith(".safetensors"):
             with open(os.path.join(model_dir, name), "rb") as f:
                 header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-            n += sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
-    return n
+            for key, v in header.items():
+                if key != "__metadata__":
+                    n += math.prod(v["shape"])
+                    embedding += math.prod(v["shape"]) if key.endswith("embed_tokens.weight") else 0
+    return n, embedding
 
 
 # -- the child jobs (`--one KIND`): GPU work in processes of its own ---------------------------------
@@ -495,8 +499,9 @@ def fmt(v, spec: str = ".2f") -> str:
 def print_table(report: dict, ctx: dict) -> None:
     floor, hf = report.get("floor_ms_per_token"), figure(report["phases"].get("hf"), "batch_tok_s")
     n, bw = ctx["clients"], figure(report["phases"].get("bandwidth"), "bytes_per_s")
-    print(f"\nfloor: {fmt(floor, '.3f')} ms/token = {report.get('weight_bytes', 0) / 1e9:.4g} GB of bf16 weights / "
-          f"{fmt(bw and bw / 1e12, '.3f')} TB/s device copy bandwidth (read + write counted)")
+    print(f"\nfloor: {fmt(floor, '.3f')} ms/token = {report.get('weight_bytes', 0) / 1e9:.4g} GB of bf16 weights "
+          f"read per step (all but the input embedding) / {fmt(bw and bw / 1e12, '.3f')} TB/s device copy "
+          "bandwidth (read + write counted)")
     head = (f"| system | batch-1 ms/token | x floor | {n} clients tok/s | x HF b{n} | TTFT {ctx['ttft_prompt']} ms |")
     print(head + "\n|" + "---|" * 6)
     for name, ms, tok_s, ttft_ms in rows(report):
@@ -611,8 +616,9 @@ def run(args, ctx: dict, report: dict) -> None:
     phases["model"] = phase(report, "model", budget, lambda s: ensure_model(ctx, s))
     if "error" in phases["model"] or "skipped" in phases["model"]:
         return
-    report["num_parameters"] = count_parameters(ctx["model_dir"])
-    report["weight_bytes"] = 2 * report["num_parameters"]  # served in bf16
+    report["num_parameters"], embedding = count_parameters(ctx["model_dir"])
+    # what a decode step reads: every weight but the input embedding (one row a token), in bf16
+    report["weight_bytes"] = 2 * (report["num_parameters"] - embedding)
     phases["tests"] = ({"skipped": "--skip-tests"} if args.skip_tests else
                        phase(report, "tests", budget, lambda s: run_tests(ctx, s)))
     phases["bandwidth"] = phase(report, "bandwidth", budget, lambda s: child_job("bandwidth", ctx, s))
