@@ -74,6 +74,19 @@ def test_a_decode_step_pads_to_a_bucket_of_sequences_on_the_scratch_block():
     assert static.block_table.shape == (4, 8) and static.block_table[:, :4].tolist() == meta.block_table.tolist()
 
 
+def test_a_decode_step_leaves_its_graph_no_stale_index_from_a_larger_step():
+    """A captured decode step reads its bucket's whole views: after a 44-token step wanting logits
+    at rows 30..40, a decode step of three rows where one is a prompt chunk (no logits) must not
+    leave row 40 where its graph picks logits rows."""
+    backend = _backend()
+    buffers = _buffers(backend)
+    buffers.write(ForwardBatch([_chunk(0, 31, [1] * 8), _chunk(0, 13, [2] * 4)], [30, 43, 31, 40]))
+    view = buffers.write(ForwardBatch([_chunk(3, 1, [3]), _chunk(9, 1, [4, 5, 6]), _chunk(2, 1, [7])], [0, 2]))
+    static = buffers.static_view(view.num_seqs)
+    assert view.num_seqs == 4 and static.logits_indices.tolist() == [0, 2, 0, 0]
+    buffers.check(view, backend.num_blocks, 1024)
+
+
 def test_a_token_fed_from_the_previous_step_lands_on_the_device_not_from_the_host():
     backend = _backend()
     buffers = _buffers(backend)

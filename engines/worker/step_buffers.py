@@ -6,7 +6,7 @@ host buffers and copies the parts used to the device buffers, which the model, t
 metadata and the captured decode graphs read as views: the eager, compiled and graph paths all run
 on the same buffers, filled by the same code.
 
-    host (pinned on CUDA, two sets: a set is rewritten only once the copies out of it have run)
+    host (pinned on CUDA; two sets, used in turn: a set is rewritten once the copies out of it have run)
         │  one non_blocking copy per section, of the part the step uses
         ▼
     device   input_ids [T] positions [T] slot_mapping [T] logits_indices [T]      (int64)
@@ -50,6 +50,7 @@ class _Buffers:
             self.seq_lens = make(max_seqs, torch.int32)
             self.block_table = make((max_seqs, max_blocks), torch.int32)
         self.input_ids, self.positions, self.slot_mapping, self.logits_indices = self.ints.unbind(0)
+        self.copied: torch.cuda.Event | None = None  # a host set: its last copies to the device, once run
 
 
 class StepBuffers:
@@ -87,6 +88,8 @@ class StepBuffers:
                              f"({self.max_tokens} tokens, {self.max_seqs} sequences)")
         host = self._host_sets[self._num_writes % len(self._host_sets)]
         self._num_writes += 1
+        if host.copied is not None:  # the device may lag the host by steps (a multi-step run): its
+            host.copied.synchronize()  # copies out of this set must have run before it is rewritten
         decode_only = batch.is_decode_only
         num_seqs = size if decode_only else len(batch.chunks)  # a decode step's pads are sequences
         ids, positions, slots, lens, starts, fed = self._flatten(batch, size, num_seqs)
@@ -97,7 +100,9 @@ class StepBuffers:
             table[i, :nb] = chunk.block_ids[:nb]
             width = max(width, nb)
         table[len(batch.chunks):num_seqs, 0] = self.scratch_block
-        rows = bucket(self.decode_buckets, len(batch.logits_rows)) if batch.logits_rows else 0
+        # a decode step's logits rows: all of its bucket's (a captured graph reads as many, whatever
+        # this step wants: a stale index from a larger step would point past its tokens)
+        rows = size if decode_only else bucket(self.decode_buckets, len(batch.logits_rows)) if batch.logits_rows else 0
         hi = host.ints.numpy()
         hi[0, :size], hi[1, :size], hi[2, :size] = ids, positions, slots
         hi[3, :rows] = batch.logits_rows + [0] * (rows - len(batch.logits_rows))
@@ -110,6 +115,8 @@ class StepBuffers:
             dev.query_start[:num_seqs + 1].copy_(host.query_start[:num_seqs + 1], non_blocking=True)
             dev.seq_lens[:num_seqs].copy_(host.seq_lens[:num_seqs], non_blocking=True)
             dev.block_table[:num_seqs, :width_used].copy_(host.block_table[:num_seqs, :width_used], non_blocking=True)
+            host.copied = torch.cuda.Event()
+            host.copied.record()
         if fed:
             if fed_tokens is None:
                 raise ValueError("a chunk's last token is fed from the previous step, which sampled nothing")
@@ -169,6 +176,8 @@ class StepBuffers:
     def check(self, view: StepView, num_blocks: int, vocab_size: int) -> None:
         """AssertionError unless every index a forward reads from the view is in range (tests):
         tokens, slots, positions, logits rows, and each sequence's context and blocks."""
+        if view.decode_only:  # what the bucket's graph reads
+            view = self.static_view(view.num_seqs)
         t, s = view.num_tokens, view.num_seqs
         ids, slots, rows = view.input_ids.tolist(), view.slot_mapping.tolist(), view.logits_indices.tolist()
         starts, lens = view.query_start.tolist(), view.seq_lens.tolist()
