@@ -294,6 +294,14 @@ CASES = [
          fields={"parallel.tensor_parallel_degree": 1, "parallel.use_mpi": False}),
     case("build-python-dynamic-tp2-gpus", {"batch_size": "4", "option.tensor_parallel_degree": "2"}, {},
          build=GPU4, engine="dynamic", fields={"parallel.tensor_parallel_degree": 2, "parallel.use_mpi": False}),
+    # ---- scheduling modes: a combination that cannot work is refused at start ------------------------
+    case("async-with-ngram-refused", {"option.speculative_method": "ngram", "option.async_scheduling": "true"}, {},
+         build=CPU2, error=["option.async_scheduling=true with option.speculative_method=ngram",
+                            "set option.async_scheduling=false or drop option.speculative_method=ngram"]),
+    case("async-with-multi-step-refused", {"option.num_scheduler_steps": "4", "option.async_scheduling": "true"}, {},
+         build=CPU2, error=["option.async_scheduling=true with option.num_scheduler_steps=4"]),
+    case("ngram-alone-runs-sync", {"option.speculative_method": "ngram"}, {}, build=CPU2, engine="paged",
+         fields={"scheduler.async_scheduling": None, "scheduler.speculative_method": "ngram"}),
 ]
 
 

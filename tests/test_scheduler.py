@@ -183,6 +183,20 @@ def test_decodes_come_before_waiting_prompts():
     assert list(plan.num_scheduled_tokens.items()) == [("a", 1), ("b", 9)]
 
 
+def test_guesses_are_verified_for_decoding_requests_only_and_cut_to_their_room():
+    sched, runner = make(tokens=10)
+    a, b = request("a", 5, max_new=5), request("b", 30)
+    sched.add(a)
+    step(sched, runner)  # a decodes from now on
+    sched.add(b)
+    step(sched, runner)  # b is mid-prompt: a guess for it would follow a prompt chunk
+    guesses = {"a": [7, 8, 9], "b": [4, 4], "gone": [1]}
+    plan = sched.schedule(guesses)
+    # a may emit 3 more tokens, its own among them: two guesses; b's are dropped; the proposer's dict is untouched
+    assert plan.spec_token_ids == {"a": [7, 8]} and plan.num_scheduled_tokens == {"a": 3, "b": 7}
+    assert guesses == {"a": [7, 8, 9], "b": [4, 4], "gone": [1]} and not b.spec_token_ids
+
+
 def test_max_num_seqs_caps_running_requests():
     sched, runner = make(seqs=2)
     for i, max_new in enumerate([2, 5, 5]):
