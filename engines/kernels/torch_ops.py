@@ -27,9 +27,10 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 
 
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-                               sin: torch.Tensor, *, rot_dim: int | None = None,
-                               interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotary position embedding of q and k (new tensors; the kernel rotates in place). For x in (q, k), all in x.dtype:
+                     sin: torch.Tensor, *, rot_dim: int | None = None,
+                     interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary position embedding of q [N, Hq, D] and k [N, Hk, D] (new tensors; the kernel rotates
+    in place). For x in (q, k), all in x.dtype:
 
     c = cos[positions, :rot_dim].to(x.dtype), s likewise, broadcast over heads; xr = x[..., :rot_dim];
     rotated = cat([-xr[..., h:], xr[..., :h]]) with h = rot_dim // 2 (neox "rotate half"), or with
@@ -37,16 +38,18 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     out = cat([xr * c + rotated * s, x[..., rot_dim:]]).
     """
     rot_dim = cos.shape[-1] if rot_dim is None else rot_dim
+    full = rot_dim == cos.shape[-1]
+    c = (cos[positions] if full else cos[positions, :rot_dim]).unsqueeze(-2).to(q.dtype)  # [N, 1, rot_dim]
+    s = (sin[positions] if full else sin[positions, :rot_dim]).unsqueeze(-2).to(q.dtype)
     out = []
     for x in (q, k):
-        c = cos[positions, :rot_dim].unsqueeze(-2).to(x.dtype)
-        s = sin[positions, :rot_dim].unsqueeze(-2).to(x.dtype)
         xr = x[..., :rot_dim]
         if interleaved:
             rotated = torch.stack([-xr[..., 1::2], xr[..., 0::2]], dim=-1).flatten(-2)
         else:
             rotated = torch.cat([-xr[..., rot_dim // 2:], xr[..., :rot_dim // 2]], dim=-1)
-        out.append(torch.cat([xr * c + rotated * s, x[..., rot_dim:]], dim=-1))
+        y = xr * c + rotated * s
+        out.append(y if rot_dim == x.shape[-1] else torch.cat([y, x[..., rot_dim:]], dim=-1))
     return out[0], out[1]
 
 
