@@ -144,6 +144,21 @@ def wait_idle(server: Server, timeout: float = 10.0) -> dict:
     raise AssertionError(f"engine still busy: {state}")
 
 
+def paged_engine(model_dir, **sched):
+    """A loaded paged engine on a model in fp32 (defaults: a 4 MiB KV cache, max_num_seqs 4), publishing
+    nowhere (drive_engine collects the outputs)."""
+    from engines.config import ENGINE_PAGED, LmiConfig, ModelConfig, SchedulerConfig
+    from engines.dist import SingleProcess
+    from engines.worker.paged_engine import PagedEngine
+
+    sched = {"kv_cache_memory": "4MiB", "max_num_seqs": 4, **sched}
+    config = LmiConfig(model=ModelConfig(local_dir=str(model_dir), dtype="fp32"),
+                       scheduler=SchedulerConfig(engine_kind=ENGINE_PAGED, **sched))
+    engine = PagedEngine(config, lambda outs: None, SingleProcess())
+    engine.load()
+    return engine
+
+
 def drive_engine(engine, requests, join_every: int = 1) -> dict:
     """A rolling engine offline: one (request id, prompt ids, SamplingParams) added every
     `join_every` steps (requests join mid-flight), then stepped to the end → request id → its

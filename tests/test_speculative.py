@@ -10,12 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engines.config import ENGINE_PAGED, LmiConfig, ModelConfig, SchedulerConfig
-from engines.dist import SingleProcess
 from engines.protocol import Add, Output
 from engines.sampling_params import SamplingParams
 from engines.worker.paged_engine import PagedEngine
 from engines.worker.sampler import Sampler
+from tests.support import paged_engine as make_engine
 from tests.support import drive_engine, output_tokens
 
 # repetitive prompts (prompt lookup finds matches) of several lengths, and plain ones
@@ -33,15 +32,6 @@ def drafts(tiny_model, tmp_path_factory):
     make_draft(str(tiny_model), str(root / "derived"), num_layers=1)
     make_model(str(root / "unrelated"), arch="llama", size="tiny", seed=7)
     return {"derived": str(root / "derived"), "unrelated": str(root / "unrelated"), "self": str(tiny_model)}
-
-
-def make_engine(tiny_model, **sched) -> PagedEngine:
-    sched = {"kv_cache_memory": "4MiB", "max_num_seqs": 4, **sched}
-    config = LmiConfig(model=ModelConfig(local_dir=str(tiny_model), dtype="fp32"),
-                       scheduler=SchedulerConfig(engine_kind=ENGINE_PAGED, **sched))
-    engine = PagedEngine(config, lambda outs: None, SingleProcess())
-    engine.load()
-    return engine
 
 
 def drive(engine: PagedEngine, requests, join_every: int = 2) -> dict[str, list[Output]]:

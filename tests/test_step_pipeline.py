@@ -9,15 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engines.config import ENGINE_PAGED, LmiConfig, ModelConfig, SchedulerConfig
+from engines.config import SchedulerConfig
 from engines.core.modes import scheduling_mode
-from engines.dist import SingleProcess
 from engines.layers.fused import FusedOps
 from engines.sampling_params import SamplingParams
 from engines.worker import paged_runner
 from engines.worker.paged_engine import PagedEngine
 from engines.worker.step_buffers import StepBuffers
 from engines.worker.step_graphs import StepGraphs
+from tests.support import paged_engine as make_engine
 from tests.support import compare_backends_over_mixed_steps, drive_engine, output_tokens
 
 PROMPTS = [[1] + [5, 6, 7, 8, 9] * 2 + list(range(20, 24 + 3 * i)) for i in range(6)]
@@ -51,15 +51,6 @@ def triton_ops():
     """The fused Triton ops (under the interpreter) for the model's norms, rotary and MLP."""
     yield lambda: FusedOps.use_triton(True)
     FusedOps.use_triton(False)
-
-
-def make_engine(tiny_model, **sched) -> PagedEngine:
-    sched = {"kv_cache_memory": "4MiB", "max_num_seqs": 4, **sched}
-    config = LmiConfig(model=ModelConfig(local_dir=str(tiny_model), dtype="fp32"),
-                       scheduler=SchedulerConfig(engine_kind=ENGINE_PAGED, **sched))
-    engine = PagedEngine(config, lambda outs: None, SingleProcess())
-    engine.load()
-    return engine
 
 
 def greedy_equals_hf(engine: PagedEngine, hf, max_new: int = 12, join_every: int = 2) -> None:
