@@ -25,10 +25,12 @@ PROMPTS = [[1] + [5, 6, 7, 8, 9] * 2 + list(range(20, 24 + 3 * i)) for i in rang
 
 @pytest.fixture
 def graphs_on_cpu(monkeypatch):
-    """Decode steps through StepGraphs (eagerly over its static views on CPU), every view checked,
-    replays counted."""
+    """Decode steps through StepGraphs (eagerly over its static views on CPU), the step buffers staged
+    as on CUDA (two host sets, each section copied to the device set), every view checked, replays
+    counted."""
     counts = {"replays": 0, "views": 0}
     monkeypatch.setattr(PagedEngine, "_decode_mode", lambda self: (paged_runner.DECODE_GRAPHS, "test"))
+    monkeypatch.setattr(StepBuffers, "STAGE_ON_CPU", True)
     write, replay = StepBuffers.write, StepGraphs.replay
 
     def checked_write(self, batch, fed_tokens=None):
@@ -69,6 +71,7 @@ def test_decode_graphs_on_static_buffers_give_hf_greedy_tokens(tiny_model, hf, g
     engine = make_engine(tiny_model, **sched)
     paged = engine.paged.target
     assert paged.decode_mode == "graphs" and paged.graphs.buckets == [1, 2, 4]
+    assert len(paged.buffers._host_sets) == 2 and paged.buffers._host_sets[0] is not paged.buffers.device_set
     graphs_on_cpu["replays"] = 0  # (the warm-up ran before the capture)
     greedy_equals_hf(engine, hf)
     assert graphs_on_cpu["replays"] > (0 if "speculative_method" in sched else 10)  # proposals: mixed steps

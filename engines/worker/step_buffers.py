@@ -54,6 +54,10 @@ class _Buffers:
 
 
 class StepBuffers:
+    # staged: host sets copied to a separate device set. On CUDA always; on a CPU only in the tests,
+    # which thereby run the copies a GPU runs (a section left uncopied would fail there too)
+    STAGE_ON_CPU = False
+
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, block_size: int, scratch_block: int,
                  device: torch.device):
         self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
@@ -62,11 +66,11 @@ class StepBuffers:
         self.decode_buckets = token_buckets(max_seqs)
         self.width_buckets = token_buckets(max_blocks)
         self.device_set = _Buffers(max_tokens, max_seqs, max_blocks, device, pin=False)
-        if device.type == "cpu":  # the host set is the device set: nothing to copy
+        if device.type == "cpu" and not self.STAGE_ON_CPU:  # the host set is the device set: nothing to copy
             self._host_sets = [self.device_set]
         else:
-            self._host_sets = [_Buffers(max_tokens, max_seqs, max_blocks, torch.device("cpu"), pin=True)
-                               for _ in range(2)]
+            self._host_sets = [_Buffers(max_tokens, max_seqs, max_blocks, torch.device("cpu"),
+                                        pin=device.type == "cuda") for _ in range(2)]
         self._num_writes = 0
 
     @property
@@ -115,8 +119,9 @@ class StepBuffers:
             dev.query_start[:num_seqs + 1].copy_(host.query_start[:num_seqs + 1], non_blocking=True)
             dev.seq_lens[:num_seqs].copy_(host.seq_lens[:num_seqs], non_blocking=True)
             dev.block_table[:num_seqs, :width_used].copy_(host.block_table[:num_seqs, :width_used], non_blocking=True)
-            host.copied = torch.cuda.Event()
-            host.copied.record()
+            if self.device.type == "cuda":
+                host.copied = torch.cuda.Event()
+                host.copied.record()
         if fed:
             if fed_tokens is None:
                 raise ValueError("a chunk's last token is fed from the previous step, which sampled nothing")
