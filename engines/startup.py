@@ -43,7 +43,7 @@ class Timeline:
         self.started_at = time.time() - process_age()  # wall clock of the (launcher) process start
 
     def record(self, name: str, seconds: float, detail: str = "") -> None:
-        self.phases[name] = round(seconds, 4)
+        seconds = self.phases[name] = round(seconds, 4)  # the log and /metrics print the same figure
         log.info("startup phase %s: %.2f s%s", name, seconds, f" ({detail})" if detail else "")
 
     @contextlib.contextmanager

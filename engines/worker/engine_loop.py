@@ -120,6 +120,8 @@ class EngineLoop(abc.ABC):
                 return
 
     def publish(self, outputs: list[Output]) -> None:
+        if any(o.finished for o in outputs):  # a caller that has its answer reads /metrics that count it
+            self._refresh_snapshot(force=True)
         self._publish(outputs)
 
     def publish_error(self, request_id: str, code: int, message: str) -> None:
