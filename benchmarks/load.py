@@ -86,17 +86,15 @@ def measure_one(method: str, model_dir: str, cache_dir: str, device: str = "cpu"
         started = time.perf_counter()
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(device)
     else:
-        from transformers import AutoConfig
-
         from engines.dist import SingleProcess
         from engines.loader import build_model
         from engines.models.registry import model_class
+        from engines.models.spec import ModelSpec
 
-        hf = AutoConfig.from_pretrained(model_dir)
-        cls = model_class(hf.architectures[0])
+        spec = ModelSpec.read(model_dir)
+        cls = model_class(spec)
         started = time.perf_counter()
-        model = build_model(cls, hf, SingleProcess(), torch.bfloat16, torch.device(device), hf.max_position_embeddings,
-                            progress=False, load_cache_dir=cache_dir if method == "cache" else None)
+        model = build_model(cls, spec, model_dir, SingleProcess(), torch.bfloat16, torch.device(device), progress=False, load_cache_dir=cache_dir if method == "cache" else None)
     # every page of every weight in memory: from_pretrained memory-maps the file, so until a page
     # is touched it has not been read (ours read everything already: this costs them ~nothing)
     for p in model.parameters():

@@ -34,6 +34,7 @@ def worker(args) -> None:
     from engines.config import ModelConfig
     from engines.dist import make_communicator, rank_info
     from engines.worker.model_runner import ModelRunner
+    from engines.models.spec import ModelSpec
 
     info = rank_info(os.environ)
     if info.world_size > 1:
@@ -52,7 +53,8 @@ def worker(args) -> None:
         return out
 
     comm.all_reduce = timed
-    runner = ModelRunner(ModelConfig(local_dir=args.model_dir, dtype=args.dtype), 2048, comm)
+    runner = ModelRunner(ModelConfig(local_dir=args.model_dir, dtype=args.dtype), ModelSpec.read(args.model_dir, 2048),
+                         comm)
     runner.load()
     peak_kb = _status_kb("VmHWM")
     prompts = [list(range(5, 5 + args.prompt_len))] * args.batch

@@ -59,7 +59,7 @@ def cmd_serve(args) -> int:
         local_dir = resolve_model(resolved["option.model_id"], args.model_dir, revision=resolved["option.revision"],
                                   download_dir=resolved["download_dir"] or cfgmod.default_download_dir(os.environ))
     started = time.perf_counter()
-    config = cfgmod.build(resolved, local_dir=local_dir, architecture=cfgmod.read_architecture(local_dir),
+    config = cfgmod.build(resolved, local_dir=local_dir, spec=cfgmod.read_spec(local_dir, resolved["option.max_model_len"]),
                           num_gpus=cfgmod.count_gpus(os.environ), num_cpus=os.cpu_count() or 1,
                           port=cfgmod.resolve_port(args.port, os.environ))
     TIMELINE.record("configuration", configuring + time.perf_counter() - started, "serving.properties, environment")
@@ -100,9 +100,9 @@ def cmd_config(args) -> int:
     model_id = resolved["option.model_id"]
     is_remote = bool(model_id) and (model_id.startswith("s3://") or not os.path.exists(os.path.expanduser(model_id)))
     local_dir = None if is_remote else resolve_model(model_id, args.model_dir, download_dir="")
-    architecture = cfgmod.read_architecture(local_dir)
+    spec = cfgmod.read_spec(local_dir, resolved["option.max_model_len"])
     num_gpus = cfgmod.count_gpus(os.environ)
-    build = dict(local_dir=local_dir or "", architecture=architecture, num_cpus=os.cpu_count() or 1,
+    build = dict(local_dir=local_dir or "", spec=spec, num_cpus=os.cpu_count() or 1,
                  port=cfgmod.resolve_port(args.port, os.environ))
     try:
         config = cfgmod.build(resolved, num_gpus=num_gpus, **build)
@@ -119,11 +119,13 @@ def cmd_config(args) -> int:
 def cmd_plan(args) -> int:
     from container import instances, planner
     from engines.memory_plan import Machine, available_ram, plan
+    from engines.models.spec import ModelSpec
 
     resolved = _resolve(args)
     model_dir = planner.config_dir(args.model or resolved["option.model_id"] or args.model_dir,
                                    resolved["option.revision"])
-    shape = planner.read_model_shape(model_dir, resolved["option.max_model_len"])
+    spec = ModelSpec.read(model_dir, resolved["option.max_model_len"])
+    shape = planner.read_model_shape(model_dir, spec=spec)
     if args.instance:
         machine = instances.instance(args.instance)
     elif args.gpus or args.gpu_memory:
@@ -136,7 +138,10 @@ def cmd_plan(args) -> int:
         machine = planner.this_machine(cfgmod.count_gpus(os.environ))
         if machine is None:
             raise ValueError("this machine's GPU memory is unknown: give --instance or --gpus N --gpu-memory GiB")
-    kind = cfgmod.select_engine(resolved, shape.architecture)
+    kind = cfgmod.select_engine(resolved, spec)
+    fallback = cfgmod.fallback_reason(resolved, spec)
+    print(f"model code: {'the transformers fallback (' + fallback + ')' if fallback else 'native'}; engine: {kind}",
+          file=sys.stderr if args.json else sys.stdout)
     result = plan(shape, machine, planner.workload(resolved, shape, machine, kind, prompt_tokens=args.prompt_tokens,
                                                    output_tokens=args.output_tokens))
     print(planner.to_json(result) if args.json else "\n".join(planner.table(result)))

@@ -9,7 +9,6 @@ that reads environment variables, and it takes them as an argument.
 from __future__ import annotations
 
 import difflib
-import json
 import logging
 import os
 import re
@@ -18,10 +17,12 @@ from typing import Any, Mapping
 
 from container.keys import ACCEPTED_UNUSED, FOREIGN_KEYS, KEY_ALIASES, KEYS, KEYS_BY_NAME, ConfigError
 from engines.config import (
-    ENGINE_DYNAMIC, ENGINE_PAGED, ENGINE_ROLLING, NATIVE_ARCHITECTURES,
+    ENGINE_DYNAMIC, ENGINE_PAGED, ENGINE_ROLLING,
     LmiConfig, ModelConfig, ParallelConfig, SchedulerConfig, ServerConfig,
 )
 from engines.core.modes import scheduling_mode
+from engines.models import registry
+from engines.models.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +179,7 @@ def _check_static_contradictions(cfg: ResolvedConfig) -> None:
                           "remove the key (or HF_MODEL_QUANTIZE)")
 
 
-def select_engine(cfg: ResolvedConfig, architecture: str | None) -> str:
+def select_engine(cfg: ResolvedConfig, spec: ModelSpec | None) -> str:
     """DJL's rules: batch_size>1 or disable → dynamic; scheduler → padded; lmi-dist → paged;
     auto → paged unless paged_attention=false or the model runs only on the HF fallback path."""
     rb = cfg["option.rolling_batch"]
@@ -191,17 +192,17 @@ def select_engine(cfg: ResolvedConfig, architecture: str | None) -> str:
         return ENGINE_PAGED
     if rb == "lmi-dist":
         return ENGINE_PAGED
-    if not cfg["option.paged_attention"] or is_fallback_architecture(cfg, architecture):
+    if not cfg["option.paged_attention"] or fallback_reason(cfg, spec):
         return ENGINE_ROLLING
     return ENGINE_PAGED
 
 
-def is_fallback_architecture(cfg: ResolvedConfig, architecture: str | None) -> bool:
+def fallback_reason(cfg: ResolvedConfig, spec: ModelSpec | None) -> str | None:
+    """Why the model runs on the transformers fallback (None: on our model code; also when the
+    checkpoint is not known before download)."""
     if cfg["option.trust_remote_code"]:
-        return True
-    if architecture is None:
-        return False  # not known before download: assume the native path
-    return architecture not in NATIVE_ARCHITECTURES
+        return "option.trust_remote_code=true runs the checkpoint's own code"
+    return None if spec is None else registry.fallback_reason(spec)
 
 
 def resolve_tensor_parallel(cfg: ResolvedConfig, num_gpus: int, num_cpus: int) -> int:
@@ -218,10 +219,13 @@ def resolve_tensor_parallel(cfg: ResolvedConfig, num_gpus: int, num_cpus: int) -
     return tp
 
 
-def build(cfg: ResolvedConfig, *, local_dir: str, architecture: str | None,
+def build(cfg: ResolvedConfig, *, local_dir: str, spec: ModelSpec | None,
           num_gpus: int, num_cpus: int, port: int) -> LmiConfig:
     """The typed configuration the engine and HTTP workers run with."""
-    kind = select_engine(cfg, architecture)
+    kind = select_engine(cfg, spec)
+    fallback = fallback_reason(cfg, spec)
+    if fallback and kind != ENGINE_DYNAMIC:
+        log.info("model code: the transformers fallback in the padded engine (%s)", fallback)
     tp = resolve_tensor_parallel(cfg, num_gpus, num_cpus)
     use_mpi = cfg["engine"] == "MPI"
     if tp > 1 and kind != ENGINE_DYNAMIC and not cfg.is_set("engine"):
@@ -234,9 +238,9 @@ def build(cfg: ResolvedConfig, *, local_dir: str, architecture: str | None,
     if tp > 1 and not use_mpi and (kind != ENGINE_DYNAMIC or num_gpus == 0):
         raise ConfigError(f"option.tensor_parallel_degree={tp} with engine=Python: tensor parallelism "
                           "runs under MPI; set engine=MPI (or spread a dynamic-batching model over GPUs)")
-    if tp > 1 and kind != ENGINE_DYNAMIC and is_fallback_architecture(cfg, architecture):
-        raise ConfigError(f"option.tensor_parallel_degree={tp} with {architecture}: the HF fallback path "
-                          "runs at tensor_parallel_degree=1 only")
+    if tp > 1 and kind != ENGINE_DYNAMIC and fallback:
+        raise ConfigError(f"option.tensor_parallel_degree={tp} with {spec.architecture if spec else 'this model'}: "
+                          f"the HF fallback path runs at tensor_parallel_degree=1 only ({fallback})")
     dtype = cfg["option.dtype"] or ("fp16" if num_gpus else "bf16")
     model = ModelConfig(local_dir=local_dir, model_id=cfg["option.model_id"], revision=cfg["option.revision"],
                         dtype=dtype, trust_remote_code=cfg["option.trust_remote_code"],
@@ -303,16 +307,11 @@ def served_model_name(cfg: ResolvedConfig, local_dir: str) -> str:
     return os.path.basename(os.path.normpath(model_id or local_dir or "model")) or "model"
 
 
-def read_architecture(local_dir: str | None) -> str | None:
-    """The first entry of `architectures` in the model's config.json, when there is one."""
-    if not local_dir:
+def read_spec(local_dir: str | None, max_model_len: int | None) -> ModelSpec | None:
+    """The checkpoint's facts, when its config.json is at hand (None before a download)."""
+    if not local_dir or not os.path.isfile(os.path.join(local_dir, "config.json")):
         return None
-    path = os.path.join(local_dir, "config.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path, encoding="utf-8") as f:
-        archs = json.load(f).get("architectures") or []
-    return archs[0] if archs else None
+    return ModelSpec.read(local_dir, max_model_len)
 
 
 def count_gpus(env: Mapping[str, str]) -> int:

@@ -25,7 +25,41 @@ SIZES = {
                intermediate_size=8192, max_position_embeddings=2048),
 }
 DTYPES = ("float32", "bfloat16", "float16")
-ARCHITECTURES = ("llama", "mistral", "qwen2", "gpt2")
+# --arch → (transformers config class, the family's settings beyond the size's shape): the model
+# families we serve, each as its hub checkpoints are written (legacy `rope_theta`/`rope_scaling` keys
+# where the family ships them: transformers 5 rewrites them to `rope_parameters` when it saves, and
+# `legacy_rope` puts them back)
+FAMILIES = {
+    "llama": ("LlamaConfig", {}),
+    "llama3": ("LlamaConfig", {"rope_theta": 500000.0, "rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 256}}),
+    "mistral": ("MistralConfig", {"sliding_window": None}),
+    "mistral-window": ("MistralConfig", {"sliding_window": 24}),
+    "qwen2": ("Qwen2Config", {"sliding_window": None}),
+    # Qwen2.5-0.5B's shape: 14 query heads over 2 KV heads (groups of 7), head_dim 64, tied head, theta 1e6
+    "qwen2.5": ("Qwen2Config", {"num_attention_heads": 14, "num_key_value_heads": 2, "hidden_size": 112,
+                                "head_dim": 8, "tie_word_embeddings": True, "rope_theta": 1000000.0,
+                                "use_sliding_window": False, "sliding_window": 32768, "max_window_layers": 1}),
+    "qwen3": ("Qwen3Config", {"head_dim": 32, "tie_word_embeddings": True, "rope_theta": 1000000.0}),
+    "phi3": ("Phi3Config", {"original_max_position_embeddings": 256, "rope_scaling": {
+        "rope_type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(8)],
+        "long_factor": [1.5 + 0.2 * i for i in range(8)], "original_max_position_embeddings": 256}}),
+    "gemma": ("GemmaConfig", {"head_dim": 16, "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True}),
+    "gemma2": ("Gemma2Config", {"head_dim": 16, "sliding_window": 24, "query_pre_attn_scalar": 24,
+                                "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+                                "tie_word_embeddings": True}),
+    "falcon": ("FalconConfig", {"new_decoder_architecture": True, "num_kv_heads": 2, "parallel_attn": True,
+                                "bias": False}),
+    "falcon-7b": ("FalconConfig", {"new_decoder_architecture": False, "multi_query": True, "parallel_attn": True,
+                                   "bias": False}),
+    "neox": ("GPTNeoXConfig", {"rotary_pct": 0.25, "use_parallel_residual": True}),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}),
+    "qwen2-moe": ("Qwen2MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                                     "shared_expert_intermediate_size": 96, "norm_topk_prob": False}),
+    "gpt2": ("GPT2Config", {}),
+}
+ARCHITECTURES = tuple(FAMILIES)
 VOCAB_SIZE = 1024
 INIT_RANGE = 0.1
 LM_HEAD_SCALE = 4.0
@@ -74,28 +108,52 @@ def model_config(arch: str, size: str, tokenizer, overrides: dict | None = None)
     common = dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
                   eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                   initializer_range=INIT_RANGE, tie_word_embeddings=False)
+    class_name, family = FAMILIES[arch]
+    cls = getattr(transformers, class_name)
     if arch == "gpt2":
-        return transformers.GPT2Config(n_embd=shape["hidden_size"], n_layer=shape["num_hidden_layers"],
-                                       n_head=shape["num_attention_heads"], n_inner=shape["intermediate_size"],
-                                       n_positions=shape["max_position_embeddings"], **common)
-    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-           "qwen2": transformers.Qwen2Config}[arch]
-    extra = {"sliding_window": None} if arch in ("mistral", "qwen2") else {}
-    return cls(rms_norm_eps=1e-5, **shape, **common, **extra)
+        return cls(n_embd=shape["hidden_size"], n_layer=shape["num_hidden_layers"], n_head=shape["num_attention_heads"],
+                   n_inner=shape["intermediate_size"], n_positions=shape["max_position_embeddings"], **common)
+    settings = {**shape, **common, **family, **(overrides or {})}
+    if class_name in ("FalconConfig", "GPTNeoXConfig"):
+        settings.pop("num_key_value_heads")
+        settings.pop("intermediate_size") if class_name == "FalconConfig" else None
+    if class_name != "FalconConfig":
+        settings.setdefault("rms_norm_eps" if class_name != "GPTNeoXConfig" else "layer_norm_eps", 1e-5)
+    return cls(**settings)
 
 
 COPY_LAYER_SCALE = 0.01
 
 
+def legacy_rope(out_dir: str) -> None:
+    """Rewrite config.json's rotary settings in the form most hub checkpoints still carry: `rope_theta`
+    and `rope_scaling` (`partial_rotary_factor` / GPT-NeoX's `rotary_pct` at the top level)."""
+    path = os.path.join(out_dir, "config.json")
+    with open(path, encoding="utf-8") as f:
+        cfg = json.load(f)
+    params = dict(cfg.pop("rope_parameters", None) or {})
+    cfg["rope_theta"] = params.pop("rope_theta", 10000.0)
+    partial = params.pop("partial_rotary_factor", None)
+    if partial is not None:
+        cfg["rotary_pct" if cfg.get("model_type") == "gpt_neox" else "partial_rotary_factor"] = partial
+    kind = params.get("rope_type", "default")
+    cfg["rope_scaling"] = None if kind == "default" else params
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(cfg, f, indent=2)
+
+
 def make_model(out_dir: str, arch: str = "llama", size: str = "tiny", seed: int = 0,
-               overrides: dict | None = None, dtype: str = "float32", copy: bool = False) -> dict:
+               overrides: dict | None = None, dtype: str = "float32", copy: bool = False,
+               rope_form: str = "parameters") -> dict:
     """Write config, safetensors weights, tokenizer and a model card to `out_dir`; return the card.
 
     copy: a model whose greedy output repeats its input's last token: the LM head is the input
     embedding (scaled) and every layer's output projections are scaled by COPY_LAYER_SCALE, so the
     final hidden state stays near the current token's embedding, whose logit is then the largest.
     The layers compute as much as in any model of the size; the benchmark of speculative decoding
-    needs outputs that copy their input, which random weights never give."""
+    needs outputs that copy their input, which random weights never give.
+    rope_form: "parameters" (transformers 5's `rope_parameters`) or "legacy" (`rope_theta` and
+    `rope_scaling`, see legacy_rope)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -122,6 +180,8 @@ def make_model(out_dir: str, arch: str = "llama", size: str = "tiny", seed: int 
     model.to(getattr(torch, dtype))  # the checkpoint's dtype (config.json says it too)
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
+    if rope_form == "legacy":
+        legacy_rope(out_dir)
     tokenizer.save_pretrained(out_dir)
     card = {"architecture": config.architectures[0] if config.architectures else type(model).__name__,
             "size": size, "seed": seed, "num_parameters": sum(p.numel() for p in model.parameters()),

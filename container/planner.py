@@ -12,43 +12,27 @@ import subprocess
 from dataclasses import asdict
 
 from container.preflight import read_safetensors_header
-from engines.config import ENGINE_PAGED, memory_bytes, model_max_len
+from engines.config import ENGINE_PAGED, memory_bytes
 from engines.memory_plan import Machine, ModelShape, Plan, Workload, available_ram, count, gib
+from engines.models.spec import ModelSpec
 
 TORCH_DTYPE_NAMES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 _ELEMENT_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                   "BOOL": 1}
 
 
-def _first(cfg: dict, *keys: str, default=None):
-    return next((cfg[k] for k in keys if cfg.get(k) is not None), default)
-
-
-def read_model_shape(local_dir: str, max_model_len_override: int | None = None) -> ModelShape:
-    """The shape of the checkpoint in `local_dir` (Llama/Mistral/Qwen2, GPT-2 and Falcon key names)."""
-    path = os.path.join(local_dir, "config.json")
-    if not os.path.isfile(path):
-        raise ValueError(f"no config.json in {local_dir}")
-    with open(path, encoding="utf-8") as f:
-        cfg = json.load(f)
-    cfg = {**cfg, **(cfg.get("text_config") or {})}
-    hidden = _first(cfg, "hidden_size", "n_embd", "d_model")
-    layers = _first(cfg, "num_hidden_layers", "n_layer", "num_layers")
-    heads = _first(cfg, "num_attention_heads", "n_head")
-    kv_heads = _first(cfg, "num_key_value_heads", "num_kv_heads", "n_head_kv",
-                      default=1 if cfg.get("multi_query") else heads)
-    if not all(isinstance(v, int) for v in (hidden, layers, heads, kv_heads)):
-        raise ValueError(f"{path}: cannot find the hidden size, layers and heads of this architecture")
-    head_dim = _first(cfg, "head_dim", default=hidden // heads)
-    shape = dict(hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-                 intermediate_size=_first(cfg, "intermediate_size", "ffn_hidden_size", "n_inner", default=4 * hidden),
-                 vocab_size=cfg.get("vocab_size", 0))
+def read_model_shape(local_dir: str, max_model_len_override: int | None = None,
+                     spec: ModelSpec | None = None) -> ModelShape:
+    """The shape of the checkpoint in `local_dir` (its ModelSpec, read here unless given)."""
+    spec = spec or ModelSpec.read(local_dir, max_model_len_override)
+    shape = dict(hidden_size=spec.hidden_size, num_layers=spec.num_layers, num_heads=spec.num_heads,
+                 num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, intermediate_size=spec.intermediate_size,
+                 vocab_size=spec.vocab_size)
     counted = count_checkpoint_parameters(local_dir)
-    total, replicated = counted if counted else estimate_parameters(cfg, **shape)
-    dtype = TORCH_DTYPE_NAMES.get(str(_first(cfg, "torch_dtype", "dtype", default="float32")), "fp32")
-    return ModelShape(architecture=(cfg.get("architectures") or ["unknown"])[0], num_parameters=total,
-                      replicated_parameters=replicated, max_model_len=model_max_len(local_dir, max_model_len_override),
-                      checkpoint_dtype=dtype, **shape)
+    total, replicated = counted if counted else estimate_parameters(spec.config, **shape)
+    dtype = TORCH_DTYPE_NAMES.get(str(spec.checkpoint_dtype or "float32"), "fp32")
+    return ModelShape(architecture=spec.architecture, num_parameters=total, replicated_parameters=replicated,
+                      max_model_len=spec.max_model_len, checkpoint_dtype=dtype, **shape)
 
 
 def count_checkpoint_parameters(local_dir: str) -> tuple[int, int] | None:

@@ -18,9 +18,6 @@ ENGINE_KINDS = (ENGINE_DYNAMIC, ENGINE_ROLLING, ENGINE_PAGED)
 
 # Architectures with our own (TP-aware) implementation; anything else runs on the HF fallback path,
 # which only the padded rolling-batch engine (and dynamic batching) can drive.
-NATIVE_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
-
-
 class ModelConfig(msgspec.Struct, frozen=True):
     local_dir: str  # where the weights are, after s3/hub resolution
     model_id: str | None = None  # what the user asked for
@@ -100,23 +97,6 @@ class LmiConfig(msgspec.Struct, frozen=True):
     def read(cls, path: str) -> "LmiConfig":
         with open(path, "rb") as f:
             return cls.from_json(f.read())
-
-
-def model_max_len(local_dir: str, override: int | None = None) -> int:
-    """`option.max_model_len`, else the checkpoint's position limit (config.json), else 2048."""
-    if override:
-        return override
-    import json
-    import os
-
-    path = os.path.join(local_dir, "config.json")
-    if os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            cfg = json.load(f)
-        for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-            if isinstance(cfg.get(key), int):
-                return cfg[key]
-    return 2048
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)

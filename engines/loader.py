@@ -24,13 +24,11 @@ log = logging.getLogger(__name__)
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def torch_dtype(name: str, hf_config) -> torch.dtype:
-    """`option.dtype` → torch dtype; `auto` takes the checkpoint's (float32 when it names none)."""
+def torch_dtype(name: str, declared: str | None) -> torch.dtype:
+    """`option.dtype` → torch dtype; `auto` takes the checkpoint's (config.json's name for it; float32
+    when it names none)."""
     if name != "auto":
         return TORCH_DTYPES[name]
-    declared = getattr(hf_config, "dtype", None)
-    if isinstance(declared, torch.dtype):
-        return declared
     return getattr(torch, str(declared or "float32").replace("torch.", ""), torch.float32)
 
 
@@ -119,8 +117,8 @@ class SafetensorsFile:
         return out
 
 
-def build_model(cls, hf_config, comm, dtype: torch.dtype, device: torch.device, max_positions: int,
-                progress: bool = True, load_cache_dir: str | None = None):
+def build_model(cls, spec, model_dir: str, comm, dtype: torch.dtype, device: torch.device, progress: bool = True,
+                load_cache_dir: str | None = None):
     """Construct `cls` with empty weights in `dtype` on `device` and fill them: from the load cache
     when `load_cache_dir` holds a valid one for this rank, else from the checkpoint (then written
     to the cache, when there is one)."""
@@ -129,13 +127,13 @@ def build_model(cls, hf_config, comm, dtype: torch.dtype, device: torch.device, 
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = cls(hf_config, comm, max_positions)
+            model = cls(spec, comm)
     finally:
         torch.set_default_dtype(previous)
-    files = checkpoint_files(hf_config._name_or_path)
+    files = checkpoint_files(model_dir)
     cache = source = None
     if load_cache_dir:
-        cache = load_cache.cache_paths(load_cache_dir, hf_config._name_or_path, dtype, comm.rank, comm.world_size)
+        cache = load_cache.cache_paths(load_cache_dir, model_dir, dtype, comm.rank, comm.world_size)
         source = load_cache.source_fingerprint(files)
         try:
             nbytes = load_cache.load(model, *cache, source)

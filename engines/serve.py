@@ -16,7 +16,7 @@ import threading
 
 import msgspec
 
-from engines.config import ENGINE_DYNAMIC, ENGINE_PAGED, ENGINE_ROLLING, LmiConfig, model_max_len
+from engines.config import ENGINE_DYNAMIC, ENGINE_PAGED, ENGINE_ROLLING, LmiConfig
 from engines.dist import Communicator, SingleProcess, make_communicator, rank_info
 from engines.endpoint import EngineEndpoint
 from engines.ipc import high_water_mark
@@ -50,7 +50,9 @@ def run_shard(config: LmiConfig, comm: Communicator) -> int:
     from engines.worker.mirror import serve_steps
     from engines.worker.model_runner import ModelRunner
 
-    runner = ModelRunner(config.model, model_max_len(config.model.local_dir, config.model.max_model_len), comm)
+    from engines.models.spec import ModelSpec
+
+    runner = ModelRunner(config.model, ModelSpec.of(config.model), comm)
     runner.load()
     if config.scheduler.engine_kind == ENGINE_PAGED:
         from engines.worker.paged_runner import PagedRunner

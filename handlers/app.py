@@ -24,7 +24,8 @@ import msgspec
 from flask import Flask, Response, g, request
 from werkzeug.exceptions import HTTPException
 
-from engines.config import ENGINE_DYNAMIC, LmiConfig, model_max_len
+from engines.config import ENGINE_DYNAMIC, LmiConfig
+from engines.models.spec import ModelSpec
 from engines.ipc import high_water_mark
 from engines.protocol import STATE_READY, draining_path, engine_socket_path, read_failure, write_failure
 from handlers.engine_client import EngineClient
@@ -59,7 +60,7 @@ class Service:
         self.run_dir = run_dir
         self.client = client
         self.tokenizer = tokenizer
-        self.max_model_len = model_max_len(config.model.local_dir, config.model.max_model_len)
+        self.max_model_len = ModelSpec.of(config.model).max_model_len
         self.is_dynamic = config.scheduler.engine_kind == ENGINE_DYNAMIC
         self.limits = RequestLimits(config.server.max_inputs_per_request, config.server.max_input_chars)
         self.engine_ready = False

@@ -147,14 +147,21 @@ def wait_idle(server: Server, timeout: float = 10.0) -> dict:
 def paged_engine(model_dir, **sched):
     """A loaded paged engine on a model in fp32 (defaults: a 4 MiB KV cache, max_num_seqs 4), publishing
     nowhere (drive_engine collects the outputs)."""
+    return local_engine(model_dir, "paged", **sched)
+
+
+def local_engine(model_dir, kind: str, **sched):
+    """A loaded rolling engine of `kind` (paged | rolling: the padded one) on a model in fp32, in this
+    process, publishing nowhere; as paged_engine."""
     from engines.config import ENGINE_PAGED, LmiConfig, ModelConfig, SchedulerConfig
     from engines.dist import SingleProcess
     from engines.worker.paged_engine import PagedEngine
+    from engines.worker.rolling_engine import RollingEngine
 
     sched = {"kv_cache_memory": "4MiB", "max_num_seqs": 4, **sched}
     config = LmiConfig(model=ModelConfig(local_dir=str(model_dir), dtype="fp32"),
-                       scheduler=SchedulerConfig(engine_kind=ENGINE_PAGED, **sched))
-    engine = PagedEngine(config, lambda outs: None, SingleProcess())
+                       scheduler=SchedulerConfig(engine_kind=kind, **sched))
+    engine = (PagedEngine if kind == ENGINE_PAGED else RollingEngine)(config, lambda outs: None, SingleProcess())
     engine.load()
     return engine
 
@@ -182,7 +189,7 @@ def output_tokens(outputs: list) -> list[int]:
 
 
 def compare_backends_over_mixed_steps(oracle_cls, backend_cls, device, dtype, block_size: int, atol: float,
-                                      heads: tuple[int, int] = (8, 2), dim: int = 64) -> None:
+                                      heads: tuple[int, int] = (8, 2), dim: int = 64, layer=None) -> None:
     """Prefill chunks (one after cached context), decodes, a proposal-like 3-token chunk and bucket
     padding over several steps, through the step buffers: `backend_cls` gives `oracle_cls`'s outputs
     for every real token, and its padding rows are zero (mixed steps)."""
@@ -193,7 +200,8 @@ def compare_backends_over_mixed_steps(oracle_cls, backend_cls, device, dtype, bl
 
     torch.manual_seed(0)
     hq, hkv = heads
-    backends = [cls(1, hkv, dim, block_size, dtype, device) for cls in (oracle_cls, backend_cls)]
+    layers = None if layer is None else [layer]  # one layer's LayerOptions (scale, window, softcap)
+    backends = [cls(1, hkv, dim, block_size, dtype, device, layers) for cls in (oracle_cls, backend_cls)]
     for b in backends:
         b.allocate(16)
     buffers = [StepBuffers(2048, 4, 8, block_size, 16, device) for _ in backends]

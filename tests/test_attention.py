@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from engines.models.spec import ModelSpec
 from engines.attention.base import ForwardBatch, SeqChunk, select_backend, token_buckets
 from engines.attention.torch_backend import TorchPagedBackend
 from engines.config import ModelConfig
@@ -184,7 +185,8 @@ PROMPTS = [[1, 5, 6, 7, 8, 9], [1, 20, 21], [1] + list(range(100, 140))]
 
 @pytest.fixture(scope="module")
 def fp32_runner(tiny_model):
-    runner = ModelRunner(ModelConfig(local_dir=str(tiny_model), dtype="fp32"), 1024, device=torch.device("cpu"))
+    runner = ModelRunner(ModelConfig(local_dir=str(tiny_model), dtype="fp32"), ModelSpec.read(str(tiny_model), 1024),
+                         device=torch.device("cpu"))
     runner.load()
     return runner
 

@@ -7,6 +7,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from engines.config import ModelConfig
+from engines.models.spec import ModelSpec
 from engines.dynamic.generator import HFGenerator
 from engines.protocol import Add
 from engines.sampling_params import SamplingParams
@@ -14,7 +15,8 @@ from engines.sampling_params import SamplingParams
 
 @pytest.fixture(scope="module")
 def gen(tiny_model):
-    g = HFGenerator(ModelConfig(local_dir=str(tiny_model), dtype="fp32"))
+    config = ModelConfig(local_dir=str(tiny_model), dtype="fp32")
+    g = HFGenerator(config, ModelSpec.of(config))
     g.load()
     return g
 

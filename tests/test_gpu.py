@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engines.attention.base import flash_attn_available
+from engines.models.spec import ModelSpec
+from engines.attention.base import LayerOptions, flash_attn_available
 from engines.config import ModelConfig
 from engines.core.plan import NewRequest, StepPlan
 from engines.sampling_params import SamplingParams
@@ -18,7 +19,8 @@ PROMPTS = [[1, 5, 6, 7, 8, 9], [1, 20, 21], [1] + list(range(100, 140))]
 
 
 def _runner(model_dir, device: str) -> ModelRunner:
-    runner = ModelRunner(ModelConfig(local_dir=str(model_dir), dtype="fp32"), 1024, device=torch.device(device))
+    runner = ModelRunner(ModelConfig(local_dir=str(model_dir), dtype="fp32"), ModelSpec.read(str(model_dir), 1024),
+                         device=torch.device(device))
     runner.load()
     return runner
 
@@ -60,16 +62,19 @@ def test_flash_attn_backend_matches_the_torch_backend_over_mixed_steps():
 
     compare_backends_over_mixed_steps(TorchPagedBackend, FlashAttnBackend, torch.device("cuda"), torch.bfloat16,
                                       256, atol=2e-2)
+    compare_backends_over_mixed_steps(TorchPagedBackend, FlashAttnBackend, torch.device("cuda"), torch.bfloat16,
+                                      256, atol=2e-2, layer=LayerOptions(0.3, window=40, softcap=20.0))
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-3), (torch.bfloat16, 2e-2)])
-def test_triton_backend_matches_the_torch_backend_over_mixed_steps(dtype, atol):
+@pytest.mark.parametrize("layer", [None, LayerOptions(0.3, window=40, softcap=20.0)], ids=["plain", "window-softcap"])
+def test_triton_backend_matches_the_torch_backend_over_mixed_steps(dtype, atol, layer):
     from engines.attention.torch_backend import TorchPagedBackend
     from engines.attention.triton_backend import TritonPagedBackend
     from tests.support import compare_backends_over_mixed_steps
 
     compare_backends_over_mixed_steps(TorchPagedBackend, TritonPagedBackend, torch.device("cuda"), dtype, 16,
-                                      atol=atol)
+                                      atol=atol, layer=layer)
 
 
 def test_cuda_kv_cache_leaves_the_profiled_activation_peak_free(tiny_model):

@@ -9,6 +9,7 @@ import shutil
 import pytest
 import torch
 
+from engines.models.spec import ModelSpec
 from engines.config import ModelConfig
 from engines.load_cache import ALIGN, cache_paths
 from engines.worker.model_runner import ModelRunner
@@ -18,7 +19,7 @@ PROMPTS = [[1, 5, 6, 7, 8, 9], [1, 20, 21]]
 
 def load(model_dir, cache_dir=None) -> ModelRunner:
     config = ModelConfig(local_dir=str(model_dir), dtype="fp32", load_cache_dir=cache_dir and str(cache_dir))
-    runner = ModelRunner(config, 1024)
+    runner = ModelRunner(config, ModelSpec.read(str(model_dir), 1024))
     runner.load()
     return runner
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engines.models.spec import ModelSpec
 from engines.config import ModelConfig
 from engines.worker.model_runner import ModelRunner
+from engines.attention.base import LayerOptions
 from engines.worker.padded_cache import GROW, PaddedKVCache
 
 LAYERS, HEADS, DIM = 2, 2, 4
@@ -164,7 +166,7 @@ def test_no_growth_when_the_capacity_suffices():
     assert cache.capacity == 10
 
 
-def expected_mask(pads: list[int], width: int, t: int) -> torch.Tensor:
+def expected_mask(pads: list[int], width: int, t: int, window: int | None = None) -> torch.Tensor:
     total = width + t
     m = torch.zeros(len(pads), 1, t, total, dtype=torch.bool)
     for b, pad in enumerate(pads):
@@ -174,7 +176,7 @@ def expected_mask(pads: list[int], width: int, t: int) -> torch.Tensor:
                 if q < pad:  # a padding query (prefill only) sees just itself
                     m[b, 0, i, k] = k == q
                 else:
-                    m[b, 0, i, k] = pad <= k <= q
+                    m[b, 0, i, k] = pad <= k <= q and (window is None or k > q - window)
     return m
 
 
@@ -184,16 +186,19 @@ def expected_mask(pads: list[int], width: int, t: int) -> torch.Tensor:
     ([2, 0, 4], 5, 3),  # several new tokens on a cache
 ])
 def test_mask_is_causal_hides_pads_and_has_no_empty_row(pads, width, t):
-    cache = PaddedKVCache.empty(LAYERS, len(pads), HEADS, DIM, pads, 16, torch.float32, torch.device("cpu"))
+    """One mask per window the layers use: here layer 1 slides over 3 positions."""
+    layers = [LayerOptions(DIM ** -0.5)] + [LayerOptions(DIM ** -0.5, window=3)] * (LAYERS - 1)
+    cache = PaddedKVCache.empty(LAYERS, len(pads), HEADS, DIM, pads, 16, torch.float32, torch.device("cpu"), layers)
     cache.width = width
     cache.begin_forward(t)
-    mask = cache._mask
-    assert mask.dtype == torch.bool
-    assert mask.shape == (len(pads), 1, t, width + t)
-    assert torch.equal(mask, expected_mask(pads, width, t))
-    assert mask.any(dim=-1).all()  # no all-False query row
+    assert set(cache._masks) == {None, 3}
+    for window, mask in cache._masks.items():
+        assert mask.dtype == torch.bool
+        assert mask.shape == (len(pads), 1, t, width + t)
+        assert torch.equal(mask, expected_mask(pads, width, t, window))
+        assert mask.any(dim=-1).all()  # no all-False query row
     cache.end_forward()
-    assert cache._mask is None
+    assert cache._masks == {}
     assert cache.width == width + t
 
 
@@ -259,7 +264,7 @@ def test_attend_matches_plain_attention_per_row_and_writes_the_new_columns():
 # -- on a real model --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def runner(tiny_model):
-    r = ModelRunner(ModelConfig(local_dir=str(tiny_model), dtype="fp32"), max_model_len=1024,
+    r = ModelRunner(ModelConfig(local_dir=str(tiny_model), dtype="fp32"), ModelSpec.read(str(tiny_model), 1024),
                     device=torch.device("cpu"))
     r.load()
     assert r.is_native

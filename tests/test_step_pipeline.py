@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engines.attention.base import LayerOptions
 from engines.config import SchedulerConfig
 from engines.core.modes import scheduling_mode
 from engines.layers.fused import FusedOps
@@ -96,12 +97,15 @@ def test_the_triton_backend_verifies_proposals_and_chunks_prompts(tiny_model, hf
     assert engine.metrics()["spec_accepted_tokens"] > 0
 
 
-def test_the_triton_backend_matches_the_torch_backend_over_mixed_steps():
+@pytest.mark.parametrize("layer", [None, LayerOptions(0.3, window=5, softcap=20.0), LayerOptions(0.25, window=17)],
+                         ids=["plain", "window-softcap", "window"])
+def test_the_triton_backend_matches_the_torch_backend_over_mixed_steps(layer):
+    """Also with a sliding window shorter than a block or a little longer, and Gemma-2's softcap."""
     from engines.attention.torch_backend import TorchPagedBackend
     from engines.attention.triton_backend import TritonPagedBackend
 
     compare_backends_over_mixed_steps(TorchPagedBackend, TritonPagedBackend, torch.device("cpu"), torch.float32, 16,
-                                      atol=1e-5, heads=(4, 2), dim=16)
+                                      atol=1e-5, heads=(4, 2), dim=16, layer=layer)
 
 
 # -- scheduling modes ------------------------------------------------------------------------------------

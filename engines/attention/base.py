@@ -19,12 +19,28 @@ from __future__ import annotations
 import abc
 import logging
 from dataclasses import dataclass, field
+from typing import NamedTuple, Sequence
 
 import torch
 
 log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "flash_attn", "triton", "flex", "torch")
+
+
+class LayerOptions(NamedTuple):
+    """How one layer attends, beyond causality: the score scale, a sliding window (keys at most
+    window - 1 positions back: transformers' `sliding_window`), a logit softcap (cap * tanh(s / cap),
+    Gemma-2)."""
+
+    scale: float
+    window: int | None = None
+    softcap: float | None = None
+
+
+def layer_options(num_layers: int, head_dim: int, layers=None) -> list[LayerOptions]:
+    """The model's per-layer options, or the plain ones (scale 1/sqrt(head_dim)) for every layer."""
+    return list(layers) if layers is not None else [LayerOptions(head_dim ** -0.5)] * num_layers
 
 
 def token_buckets(max_tokens: int) -> list[int]:
@@ -105,14 +121,14 @@ class AttentionBackend(abc.ABC):
     preferred_block_size: int | None = None  # a block size the kernels need (flash-attn: 256)
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, layers: Sequence[LayerOptions] | None = None):
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.block_size = block_size
         self.dtype = dtype
         self.device = device
-        self.scale = head_dim ** -0.5
+        self.layers = layer_options(num_layers, head_dim, layers)  # scale, window, softcap of each layer
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.num_blocks = 0

@@ -60,13 +60,16 @@ class FlashAttnBackend(AttentionBackend):
         k_cache, v_cache = self.keys[layer], self.values[layer]
         k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k[0])
         v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v[0])
-        q = q[0]  # [N, Hq, D]
+        q, opts = q[0], self.layers[layer]  # [N, Hq, D]
+        # flash-attn's window counts the keys before the query; ours (transformers') includes it
+        kwargs = dict(softmax_scale=opts.scale, window_size=(opts.window - 1 if opts.window else -1, -1),
+                      softcap=opts.softcap or 0.0)
         if meta.query_start is None:  # one query per row, pad rows on the scratch block
             out = self._with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.seq_lens,
-                                     block_table=meta.block_table, causal=True, softmax_scale=self.scale)
+                                     block_table=meta.block_table, causal=True, **kwargs)
             return out.squeeze(1).unsqueeze(0)
         n = meta.num_query_tokens
         out = torch.zeros_like(q)  # padding tokens stay zero
         out[:n] = self._varlen(q[:n], k_cache, v_cache, meta.query_start, meta.cu_seq_lens, meta.max_query_len,
-                               meta.max_seq_len, causal=True, softmax_scale=self.scale, block_table=meta.block_table)
+                               meta.max_seq_len, causal=True, block_table=meta.block_table, **kwargs)
         return out.unsqueeze(0)

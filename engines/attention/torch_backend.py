@@ -21,7 +21,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from engines.attention.base import AttentionBackend, StepView, bucket, to_device
+from engines.attention.base import AttentionBackend, LayerOptions, StepView, bucket, to_device
+from engines.layers.attention import masked_attention, softcap
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -88,17 +89,18 @@ class TorchPagedBackend(AttentionBackend):
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: TorchMetadata):
         k_cache, v_cache = self.keys[layer], self.values[layer]
         store_kv(k[0], v[0], k_cache, v_cache, meta.slot_mapping)
-        q = q[0]  # [N, Hq, D]
+        q, opts = q[0], self.layers[layer]  # [N, Hq, D]
         if meta.decode_rows is None:  # decodes only: the compiled and captured shape
-            return decode_attention(q, k_cache, v_cache, meta.block_table, meta.context_lens).unsqueeze(0)
+            return decode_attention(q, k_cache, v_cache, meta.block_table, meta.context_lens, opts).unsqueeze(0)
         out = torch.zeros_like(q)  # padding tokens stay zero
         rows = meta.decode_rows
         if rows.numel():
             qd = q.new_zeros((meta.block_table.shape[0],) + q.shape[1:])
             qd[: rows.numel()] = q[rows]
-            out[rows] = decode_attention(qd, k_cache, v_cache, meta.block_table, meta.context_lens)[: rows.numel()]
+            out[rows] = decode_attention(qd, k_cache, v_cache, meta.block_table, meta.context_lens,
+                                         opts)[: rows.numel()]
         for start, n, ctx, blocks in meta.prefills:
-            out[start:start + n] = prefill_attention(q[start:start + n], k_cache, v_cache, blocks, ctx)
+            out[start:start + n] = prefill_attention(q[start:start + n], k_cache, v_cache, blocks, ctx, opts)
         return out.unsqueeze(0)
 
     def warm_up(self, num_heads: int, decode_buckets: list[int], width_buckets: list[int]) -> None:
@@ -109,7 +111,7 @@ class TorchPagedBackend(AttentionBackend):
             lens = torch.ones(rows, dtype=torch.long, device=self.device)
             for nb in width_buckets:
                 table = torch.full((rows, nb), self.scratch_block, dtype=torch.long, device=self.device)
-                decode_attention(q, self.keys[0], self.values[0], table, lens)
+                decode_attention(q, self.keys[0], self.values[0], table, lens, self.layers[0])
 
 
 def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
@@ -123,31 +125,35 @@ def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tenso
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                     context_lens: torch.Tensor) -> torch.Tensor:
-    """q: [B, Hq, D], one query per sequence → [B, Hq, D]. Two batched matmuls over the query groups
-    (on CPU several times faster than SDPA's kernel for one query)."""
+                     context_lens: torch.Tensor, opts: LayerOptions) -> torch.Tensor:
+    """q: [B, Hq, D], one query per sequence (at position context_len - 1) → [B, Hq, D]. Two batched
+    matmuls over the query groups (on CPU several times faster than SDPA's kernel for one query)."""
     b, hq, d = q.shape
     hkv = k_cache.shape[0]
     keys = gather_blocks(k_cache, block_table)  # [Hkv, B, S, D]
     values = gather_blocks(v_cache, block_table)
     width = keys.shape[2]
     qg = q.view(b, hkv, hq // hkv, d).transpose(0, 1)  # [Hkv, B, G, D]
-    scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * d ** -0.5  # [Hkv, B, G, S]
-    mask = torch.arange(width, device=q.device).view(1, -1) < context_lens.view(-1, 1)  # [B, S]
+    scores = softcap(torch.matmul(qg, keys.transpose(-1, -2)).float() * opts.scale, opts.softcap)  # [Hkv, B, G, S]
+    cols, lens = torch.arange(width, device=q.device).view(1, -1), context_lens.view(-1, 1)
+    mask = cols < lens  # [B, S]
+    if opts.window:
+        mask &= cols >= lens - opts.window
     scores = scores.masked_fill(~mask.view(1, b, 1, width), float("-inf"))
     out = torch.matmul(scores.softmax(dim=-1).to(values.dtype), values)  # [Hkv, B, G, D]
     return out.transpose(0, 1).reshape(b, hq, d)
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
-                      context_len: int) -> torch.Tensor:
+                      context_len: int, opts: LayerOptions) -> torch.Tensor:
     """q: [n, Hq, D], the last n of a sequence's context_len positions → [n, Hq, D]."""
     n, hq, d = q.shape
     hkv = k_cache.shape[0]
     keys = k_cache.index_select(1, blocks).view(hkv, -1, d)[:, :context_len].unsqueeze(0)  # [1, Hkv, ctx, D]
     values = v_cache.index_select(1, blocks).view(hkv, -1, d)[:, :context_len].unsqueeze(0)
     q_pos = torch.arange(context_len - n, context_len, device=q.device).view(-1, 1)
-    mask = torch.arange(context_len, device=q.device).view(1, -1) <= q_pos  # [n, ctx]
-    out = nn.functional.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys, values,
-                                                     attn_mask=mask, enable_gqa=hkv != hq)
-    return out[0].transpose(0, 1)
+    cols = torch.arange(context_len, device=q.device).view(1, -1)
+    mask = cols <= q_pos  # [n, ctx]
+    if opts.window:
+        mask &= cols > q_pos - opts.window
+    return masked_attention(q.transpose(0, 1).unsqueeze(0), keys, values, mask, opts)[0].transpose(0, 1)

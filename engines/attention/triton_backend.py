@@ -46,8 +46,9 @@ class TritonPagedBackend(TorchPagedBackend):
         store_kv(k[0], v[0], k_cache, v_cache, meta.slot_mapping)
         q = q[0]  # [N, Hq, D]
         out = torch.zeros_like(q) if meta.has_padding else torch.empty_like(q)  # padding rows stay zero
+        opts = self.layers[layer]
         self._kernel(q, k_cache, v_cache, out, meta.query_start, meta.seq_lens, meta.block_table, meta.num_seqs,
-                     self.scale)
+                     opts.scale, window=opts.window or 0, softcap=opts.softcap or 0.0)
         return out.unsqueeze(0)
 
     def warm_up(self, num_heads: int, decode_buckets: list[int], width_buckets: list[int]) -> None:

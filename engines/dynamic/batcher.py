@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from engines.models.spec import ModelSpec
 from engines.config import LmiConfig
 from engines.protocol import Abort, Add, HealthReply, Output
 from engines.sampling_params import SamplingParams
@@ -112,7 +113,7 @@ class DynamicEngine:
 
         sched = config.scheduler
         self.batcher = DynamicBatcher(sched.batch_size, sched.max_batch_delay_ms / 1000.0, sched.job_queue_size)
-        self.generator = HFGenerator(config.model)
+        self.generator = HFGenerator(config.model, ModelSpec.of(config.model))
         self._publish = publish
         self._num_batches = 0
         self._num_running = 0

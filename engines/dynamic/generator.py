@@ -6,10 +6,11 @@ import logging
 import time
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 from engines.config import ModelConfig
 from engines.loader import parameter_bytes, torch_dtype
+from engines.models.spec import ModelSpec
 from engines.startup import TIMELINE, throughput
 from engines.protocol import FINISH_EOS, FINISH_LENGTH, Add, Output
 from engines.sampling_params import SamplingParams
@@ -17,21 +18,20 @@ from engines.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 class HFGenerator:
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, spec: ModelSpec):
         self.config = config
+        self.spec = spec
         self.model = None
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     def load(self) -> None:
         started = time.perf_counter()
-        hf_config = AutoConfig.from_pretrained(self.config.local_dir, trust_remote_code=self.config.trust_remote_code)
-        dtype = torch_dtype(self.config.dtype, hf_config)
+        dtype = torch_dtype(self.config.dtype, self.spec.checkpoint_dtype)
         self.model = AutoModelForCausalLM.from_pretrained(
             self.config.local_dir, dtype=dtype, trust_remote_code=self.config.trust_remote_code,
             use_safetensors=True).to(self.device).eval()
-        gen = self.model.generation_config
-        self.eos_token_ids = _as_list(gen.eos_token_id if gen.eos_token_id is not None else hf_config.eos_token_id)
-        pad = gen.pad_token_id if gen.pad_token_id is not None else hf_config.pad_token_id
+        self.eos_token_ids = list(self.spec.eos_token_ids)
+        pad = self.spec.pad_token_id
         self.pad_token_id = pad if pad is not None else (self.eos_token_ids[0] if self.eos_token_ids else 0)
         elapsed = time.perf_counter() - started
         log.info("loaded %s (%s) in %.1f s on %s", type(self.model).__name__, dtype, elapsed, self.device)
@@ -80,8 +80,3 @@ def _to_output(request_id: str, ids: list[int], log_probs: list[float], stop_ids
             return Output(request_id, ids[: n + 1], log_probs[: n + 1], finished=True, finish_reason=FINISH_EOS)
     return Output(request_id, ids, log_probs, finished=True, finish_reason=FINISH_LENGTH)
 
-
-def _as_list(value) -> list[int]:
-    if value is None:
-        return []
-    return list(value) if isinstance(value, (list, tuple)) else [value]

@@ -61,7 +61,28 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(b, t, q_size))
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def softcap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(scores / cap) (Gemma-2's attention and final logit softcapping); scores without a cap."""
+    return scores if not cap else torch.tanh(scores / cap) * cap
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, opts) -> torch.Tensor:
+    """q: [B, Hq, T, D]; k, v: [B, Hkv, S, D]; mask: bool, broadcastable to [B, 1, T, S] (True attends);
+    opts: the layer's LayerOptions (scale, softcap; the window is the mask's). SDPA, unless the
+    layer caps its scores (then scores, cap, mask and softmax in float32, as transformers' eager
+    attention computes them)."""
+    hq, hkv = q.shape[1], k.shape[1]
+    if not opts.softcap:
+        return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=opts.scale,
+                                                          enable_gqa=hkv != hq)
+    if hkv != hq:
+        k, v = k.repeat_interleave(hq // hkv, dim=1), v.repeat_interleave(hq // hkv, dim=1)
+    scores = softcap(torch.matmul(q, k.transpose(-1, -2)).float() * opts.scale, opts.softcap)
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1).to(v.dtype)
+    return torch.matmul(probs, v)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, opts) -> torch.Tensor:
     """Masked attention with grouped KV heads, heads first.
 
     q: [B, Hq, T, D]; k, v: [B, Hkv, S, D]; mask: bool, broadcastable to [B, 1, T, S] (True attends).
@@ -71,9 +92,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     b, hq, t, d = q.shape
     hkv = k.shape[1]
     if t > 1:
-        return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=hkv != hq)
+        return masked_attention(q, k, v, mask, opts)
     group = hq // hkv
-    scores = torch.matmul(q.view(b, hkv, group, d), k.transpose(-1, -2)).float() * d ** -0.5  # [B, Hkv, G, S]
+    scores = softcap(torch.matmul(q.view(b, hkv, group, d), k.transpose(-1, -2)).float() * opts.scale,
+                     opts.softcap)  # [B, Hkv, G, S]
     scores = scores.masked_fill(~mask.view(b, 1, 1, -1), float("-inf"))
     probs = scores.softmax(dim=-1).to(v.dtype)
     return torch.matmul(probs, v).view(b, hq, 1, d)

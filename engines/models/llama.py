@@ -16,6 +16,7 @@ from engines.layers.fused import ops
 from engines.layers.linear import ColumnParallelLinear, RowParallelLinear, SliceReader
 from engines.layers.norm import RMSNorm
 from engines.layers.rotary import RotaryEmbedding
+from engines.models.spec import ModelSpec
 
 
 class MLP(nn.Module):
@@ -29,16 +30,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, idx: int, cfg, rotary: RotaryEmbedding, comm: Communicator):
+    def __init__(self, idx: int, spec: ModelSpec, rotary: RotaryEmbedding, comm: Communicator):
         super().__init__()
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        is_qwen2 = cfg.model_type == "qwen2"
-        bias = bool(getattr(cfg, "attention_bias", False))
-        self.self_attn = Attention(idx, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                   head_dim, rotary, comm, qkv_bias=bias or is_qwen2, o_bias=bias and not is_qwen2)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, comm)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        is_qwen2 = spec.model_type == "qwen2"
+        bias = bool(spec.config.get("attention_bias", False))
+        self.self_attn = Attention(idx, spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, rotary,
+                                   comm, qkv_bias=bias or is_qwen2, o_bias=bias and not is_qwen2)
+        self.mlp = MLP(spec.hidden_size, spec.intermediate_size, comm)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.norm_eps)
 
     def forward(self, x, residual, positions, backend, meta):
         """x: the last sublayer's output, residual: the stream before it (None at layer 0) → the same
@@ -53,22 +53,19 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg, comm: Communicator, max_positions: int):
+    def __init__(self, spec: ModelSpec, comm: Communicator):
         super().__init__()
-        _check_supported(cfg)
-        self.config = cfg
+        self.spec = spec
         self.comm = comm
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        rope_theta = _rope_theta(cfg)
-        self.rotary = RotaryEmbedding(head_dim, max(max_positions, cfg.max_position_embeddings), rope_theta)
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, comm)
-        self.layers = nn.ModuleList(DecoderLayer(i, cfg, self.rotary, comm)
-                                    for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, comm)
+        self.rotary = RotaryEmbedding(spec.rope, spec.rotary_dim, max(spec.max_model_len, spec.max_position_embeddings
+                                                                      or 0), spec.max_position_embeddings)
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, comm)
+        self.layers = nn.ModuleList(DecoderLayer(i, spec, self.rotary, comm) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.norm_eps)
+        self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, comm)
         self.num_heads = self.layers[0].self_attn.num_heads  # this rank's
         self.num_kv_heads = self.layers[0].self_attn.num_kv_heads
-        self.head_dim = head_dim
+        self.head_dim = spec.head_dim
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend, meta=None,
@@ -91,7 +88,7 @@ class LlamaForCausalLM(nn.Module):
         name = name.removeprefix("model.")
         if name == "embed_tokens.weight":
             self.embed_tokens.load_shard(get)
-            if getattr(self.config, "tie_word_embeddings", False):
+            if self.spec.tie_word_embeddings:
                 self.lm_head.load_shard(get)
             return True
         if name == "lm_head.weight":
@@ -131,17 +128,3 @@ def _load_layer_weight(layer: DecoderLayer, rest: str, shape: list[int], get: Sl
         return False
     return True
 
-
-def _rope_theta(cfg) -> float:
-    params = getattr(cfg, "rope_parameters", None) or {}
-    return float(params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
-
-
-def _check_supported(cfg) -> None:
-    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind not in ("default", None):
-        raise ValueError(f"rope scaling {kind!r} is not implemented in the native Llama path")
-    window = getattr(cfg, "sliding_window", None)
-    if window and getattr(cfg, "use_sliding_window", window is not None) and window < cfg.max_position_embeddings:
-        raise ValueError(f"sliding-window attention (window {window}) is not implemented in the native path")

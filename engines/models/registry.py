@@ -1,17 +1,42 @@
-"""Architecture names (config.json `architectures`) → our implementations."""
+"""Which checkpoints run on our model code, and why the rest run on the transformers fallback.
+
+`fallback_reason(spec)` is the one decision: the launcher picks the engine with it (the fallback
+runs in the padded engine, never the paged one), the model runner picks the model code with it, and
+the start log and `lmi plan` print it. Pure Python: the launcher imports no torch. An architecture
+we implement that meets a setting our code cannot honour falls back by name, never runs wrong.
+"""
 
 from __future__ import annotations
 
-from engines.config import NATIVE_ARCHITECTURES
-from engines.models.llama import LlamaForCausalLM
+import importlib
 
-REGISTRY = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
+from engines.models.spec import ModelSpec
+
+# config.json `architectures` → "module:class" under engines.models (imported when a model is built)
+NATIVE = {
+    "LlamaForCausalLM": "llama:LlamaForCausalLM",
+    "MistralForCausalLM": "llama:LlamaForCausalLM",
+    "Qwen2ForCausalLM": "llama:LlamaForCausalLM",
 }
-assert set(REGISTRY) == NATIVE_ARCHITECTURES  # the launcher decides engines from that list
+ROPE_KINDS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
-def model_class(architecture: str):
-    return REGISTRY.get(architecture)
+def fallback_reason(spec: ModelSpec) -> str | None:
+    """Why the checkpoint cannot run natively (None: it can)."""
+    if spec.architecture not in NATIVE:
+        return f"no native implementation of {spec.architecture}"
+    for rope in filter(None, (spec.rope, spec.local_rope)):
+        if rope.kind not in ROPE_KINDS:
+            return f"rope_type {rope.kind!r} is not implemented natively"
+        if rope.kind == "dynamic" and spec.max_model_len > (spec.max_position_embeddings or 0):
+            return (f"rope_type 'dynamic' past max_position_embeddings={spec.max_position_embeddings} (max_model_len "
+                    f"{spec.max_model_len}): transformers rescales its base with each sequence's length")
+    return None
+
+
+def model_class(spec: ModelSpec):
+    """Our implementation of the checkpoint, or None when it runs on the fallback."""
+    if fallback_reason(spec) is not None:
+        return None
+    module, name = NATIVE[spec.architecture].split(":")
+    return getattr(importlib.import_module(f"engines.models.{module}"), name)

@@ -25,6 +25,8 @@ from engines.core.request import Request
 from engines.dist import SingleProcess
 from engines.layers.linear import MatmulPolicy
 from engines.sampling_params import SamplingParams
+from engines.models.registry import fallback_reason
+from engines.models.spec import ModelSpec
 from engines.worker.model_runner import ModelRunner
 from engines.worker.paged_runner import PagedRunner
 
@@ -40,13 +42,13 @@ class DraftProposer:
                  max_num_batched_tokens: int, block_size: int, attention_backend: str, target_vocab: int):
         self.num_tokens = num_tokens
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.runner = ModelRunner(model, max_model_len, SingleProcess())
+        self.runner = ModelRunner(model, ModelSpec.read(model.local_dir, max_model_len), SingleProcess())
         upcast = MatmulPolicy.upcast
         self.runner.load()
         MatmulPolicy.upcast = upcast  # one process-wide choice: for the model's shapes, not the draft's
         if not self.runner.is_native:
-            raise ValueError(f"option.speculative_model {model.local_dir}: the draft model needs a natively "
-                             "implemented architecture (Llama, Mistral, Qwen2)")
+            raise ValueError(f"option.speculative_model {model.local_dir}: the draft model must run on our model "
+                             f"code, and {fallback_reason(self.runner.spec)}")
         vocab = self.runner.model.lm_head.vocab_size
         if vocab != target_vocab:
             raise ValueError(f"option.speculative_model {model.local_dir} has a vocabulary of {vocab} tokens, the "

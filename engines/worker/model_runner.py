@@ -11,16 +11,15 @@ import time
 from typing import Sequence
 
 import torch
-from transformers import AutoConfig  # here, not in load(): an import, not weight loading
-
-from engines.attention.base import triton_runs
+from engines.attention.base import LayerOptions, triton_runs
 from engines.config import ModelConfig
 from engines.dist import Communicator, SingleProcess
 from engines.layers.fused import FusedOps
 from engines.layers.linear import choose_cpu_matmul
 from engines.loader import build_model, parameter_bytes, torch_dtype
 from engines.startup import TIMELINE, throughput
-from engines.models.registry import model_class
+from engines.models.registry import fallback_reason, model_class
+from engines.models.spec import ModelSpec
 from engines.worker.padded_cache import GROW, PaddedKVCache
 
 log = logging.getLogger(__name__)
@@ -29,52 +28,55 @@ CPU_WARM_UP_TOKENS = 16
 
 
 class ModelRunner:
-    def __init__(self, config: ModelConfig, max_model_len: int, comm: Communicator | None = None,
+    def __init__(self, config: ModelConfig, spec: ModelSpec, comm: Communicator | None = None,
                  device: torch.device | None = None):
         self.config = config
-        self.max_model_len = max_model_len
+        self.spec = spec
+        self.max_model_len = spec.max_model_len
         self.comm = comm or SingleProcess()
         self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.model = None
         self.is_native = False
+        self.layer_options: list[LayerOptions] | None = None  # how each layer attends (native models)
 
     def load(self) -> None:
         started = time.perf_counter()
-        hf = AutoConfig.from_pretrained(self.config.local_dir, trust_remote_code=self.config.trust_remote_code)
-        arch = (hf.architectures or [""])[0]
-        self.dtype = torch_dtype(self.config.dtype, hf)
-        cls = None if self.config.trust_remote_code else model_class(arch)
+        spec = self.spec
+        self.dtype = torch_dtype(self.config.dtype, spec.checkpoint_dtype)
+        cls = None if self.config.trust_remote_code else model_class(spec)
         if cls is not None:
-            self.model = build_model(cls, hf, self.comm, self.dtype, self.device, self.max_model_len,
+            self.model = build_model(cls, spec, self.config.local_dir, self.comm, self.dtype, self.device,
                                      load_cache_dir=self.config.load_cache_dir)
-            self.num_layers = hf.num_hidden_layers
+            self.num_layers = spec.num_layers
             self.num_kv_heads, self.head_dim = self.model.num_kv_heads, self.model.head_dim
+            self.layer_options = [LayerOptions(spec.attention_scale, window, spec.attn_logit_softcap)
+                                  for window in spec.sliding_windows]
             self.is_native = True
             if self.device.type == "cpu" and self.dtype == torch.bfloat16:
-                self._choose_cpu_matmul(hf)
+                self._choose_cpu_matmul(spec)
             FusedOps.use_triton(self.device.type == "cuda" and triton_runs(self.device))
             log.info("fused ops (residual add + RMSNorm, rotary, SiLU x mul): %s",
                      "Triton kernels" if FusedOps.is_triton() else "PyTorch")
         else:
-            self._load_hf(hf)
-        gen_eos = hf.eos_token_id
-        self.eos_token_ids = frozenset(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
-        self.pad_token_id = hf.pad_token_id if hf.pad_token_id is not None else 0
+            self._load_hf()
+        self.eos_token_ids = frozenset(spec.eos_token_ids)
+        self.pad_token_id = spec.pad_token_id if spec.pad_token_id is not None else 0
         elapsed = time.perf_counter() - started
-        log.info("loaded %s (%s path, %s) in %.1f s", arch, "native" if self.is_native else "HF fallback",
-                 self.dtype, elapsed)
+        why = "option.trust_remote_code=true" if self.config.trust_remote_code else fallback_reason(spec)
+        log.info("loaded %s (%s, %s) in %.1f s", spec.architecture,
+                 "native" if self.is_native else f"the transformers fallback: {why}", self.dtype, elapsed)
         TIMELINE.record("weight_load", elapsed, throughput(self.weight_bytes, elapsed))
         self.comm.barrier()  # every rank holds its shard before anyone serves
 
-    def _choose_cpu_matmul(self, hf) -> None:
+    def _choose_cpu_matmul(self, spec: ModelSpec) -> None:
         """bf16 on CPU: oneDNN's bf16 GEMM, or float32 products of upcast weights, whichever this CPU
         runs faster (measured on the model's MLP shape at 32 rows)."""
-        upcast, native, up = choose_cpu_matmul(hf.hidden_size, hf.intermediate_size)
+        upcast, native, up = choose_cpu_matmul(spec.hidden_size, spec.intermediate_size)
         log.info("bf16 matrix products on this CPU: %s (a [32, %d] x [%d, %d] product: %.2f ms native bf16, %.2f ms "
-                 "upcast to float32)", "upcast to float32" if upcast else "native bf16", hf.hidden_size,
-                 hf.hidden_size, hf.intermediate_size, native, up)
+                 "upcast to float32)", "upcast to float32" if upcast else "native bf16", spec.hidden_size,
+                 spec.hidden_size, spec.intermediate_size, native, up)
 
-    def _load_hf(self, hf) -> None:
+    def _load_hf(self) -> None:
         from transformers import AutoModelForCausalLM
 
         if self.comm.world_size > 1:
@@ -82,11 +84,8 @@ class ModelRunner:
         self.model = AutoModelForCausalLM.from_pretrained(
             self.config.local_dir, dtype=self.dtype, trust_remote_code=self.config.trust_remote_code,
             use_safetensors=True).to(self.device).eval()
-        text = hf.get_text_config()
-        self.num_layers = text.num_hidden_layers
-        heads = text.num_attention_heads
-        self.num_kv_heads = getattr(text, "num_key_value_heads", None) or heads
-        self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        self.num_layers, self.num_kv_heads, self.head_dim = self.spec.num_layers, self.spec.num_kv_heads, \
+            self.spec.head_dim
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -123,7 +122,7 @@ class ModelRunner:
         for i, p in enumerate(prompts):
             ids[i, pads[i]:] = torch.tensor(p, dtype=torch.long)
         cache = PaddedKVCache.empty(self.num_layers, len(prompts), self.num_kv_heads, self.head_dim, pads,
-                                    width + GROW, self.dtype, self.device)
+                                    width + GROW, self.dtype, self.device, self.layer_options)
         index = None
         if prompt_rows:  # flattened [B * T] indices: each row's last position, then the prompt rows' others
             index = [b * width + width - 1 for b in range(len(prompts))]

@@ -17,27 +17,31 @@ from __future__ import annotations
 
 import torch
 
+from engines.attention.base import LayerOptions, layer_options
 from engines.layers.attention import attention
 
 GROW = 64  # columns of headroom added whenever the capacity runs out
 
 
 class PaddedKVCache:
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], pads: torch.Tensor, width: int):
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], pads: torch.Tensor, width: int,
+                 layers: list[LayerOptions] | None = None):
         self.keys = keys  # per layer [B, H, capacity, D]
         self.values = values
         self.pads = pads  # [B] long: left padding of each row
         self.width = width
-        self._mask: torch.Tensor | None = None
+        self.layers = layer_options(len(keys), keys[0].shape[-1] if keys else 1, layers)  # scale, window, softcap
+        self._masks: dict[int | None, torch.Tensor] = {}  # this forward's mask, by window (None: full)
         self._step = 0
 
     @classmethod
     def empty(cls, num_layers: int, batch: int, num_kv_heads: int, head_dim: int, pads: list[int],
-              capacity: int, dtype: torch.dtype, device: torch.device) -> "PaddedKVCache":
+              capacity: int, dtype: torch.dtype, device: torch.device,
+              layers: list[LayerOptions] | None = None) -> "PaddedKVCache":
         shape = (batch, num_kv_heads, capacity, head_dim)
         keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        return cls(keys, values, torch.tensor(pads, dtype=torch.long, device=device), 0)
+        return cls(keys, values, torch.tensor(pads, dtype=torch.long, device=device), 0, layers)
 
     @property
     def batch_size(self) -> int:
@@ -65,9 +69,11 @@ class PaddedKVCache:
         causal = cols.view(1, -1) <= query_cols.view(-1, 1)  # [T, total]
         valid = cols.view(1, -1) >= self.pads.view(-1, 1)  # [B, total]
         mask = causal.unsqueeze(0) & valid.unsqueeze(1)  # [B, T, total]
-        # a padding query attends only to itself, so no row of the mask is empty (no NaN)
-        mask |= (cols.view(1, 1, -1) == query_cols.view(1, -1, 1))
-        self._mask = mask.unsqueeze(1)
+        itself = cols.view(1, 1, -1) == query_cols.view(1, -1, 1)
+        # a padding query attends only to itself, so no row of the mask is empty (no NaN); a row's
+        # positions are its columns less its padding, so a window is a distance in columns
+        self._masks = {w: ((mask & (cols.view(1, -1) > query_cols.view(-1, 1) - w) if w else mask) | itself)
+                       .unsqueeze(1) for w in {o.window for o in self.layers}}
         self._step = num_tokens
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta=None) -> torch.Tensor:
@@ -78,11 +84,12 @@ class PaddedKVCache:
         self.values[layer_idx][:, :, w:w + t] = v.transpose(1, 2)
         keys = self.keys[layer_idx][:, :, : w + t]
         values = self.values[layer_idx][:, :, : w + t]
-        return attention(q.transpose(1, 2), keys, values, self._mask).transpose(1, 2)
+        opts = self.layers[layer_idx]
+        return attention(q.transpose(1, 2), keys, values, self._masks[opts.window], opts).transpose(1, 2)
 
     def end_forward(self) -> None:
         self.width += self._step
-        self._mask = None
+        self._masks = {}
         self._step = 0
 
     def set_layer(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -110,7 +117,7 @@ class PaddedKVCache:
                 store[layer] = merged  # the old tensor of this layer is freed here
             other.keys[layer] = other.values[layer] = None
         pads = torch.cat([self.pads + (width - self.width), other.pads + (width - other.width)])
-        return PaddedKVCache(self.keys, self.values, pads, width)
+        return PaddedKVCache(self.keys, self.values, pads, width, self.layers)
 
     def filter(self, keep: list[int]) -> "PaddedKVCache":
         """Only the rows `keep` (in that order), with their common left padding trimmed."""
@@ -124,7 +131,7 @@ class PaddedKVCache:
                 new = old.new_empty((len(keep), old.shape[1], capacity, old.shape[3]))
                 new[:, :, :width] = old[index, :, trim: self.width]
                 store[layer] = new
-        return PaddedKVCache(self.keys, self.values, pads - trim, width)
+        return PaddedKVCache(self.keys, self.values, pads - trim, width, self.layers)
 
     def _grow(self, capacity: int) -> None:
         for store in (self.keys, self.values):

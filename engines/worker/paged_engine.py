@@ -11,8 +11,9 @@ import logging
 
 import msgspec
 
+from engines.models.spec import ModelSpec
 from engines.attention.base import select_backend
-from engines.config import LmiConfig, model_max_len
+from engines.config import LmiConfig
 from engines.core.block_manager import BlockManager
 from engines.core.modes import scheduling_mode
 from engines.core.plan import StepPlan
@@ -36,8 +37,8 @@ log = logging.getLogger(__name__)
 class PagedEngine(EngineLoop):
     def __init__(self, config: LmiConfig, publish, comm=None):
         super().__init__(config, publish, comm or SingleProcess())
-        self.max_model_len = model_max_len(config.model.local_dir, config.model.max_model_len)
-        self.runner = ModelRunner(config.model, self.max_model_len, self.comm)
+        self.runner = ModelRunner(config.model, ModelSpec.of(config.model), self.comm)
+        self.max_model_len = self.runner.max_model_len
         self.mode = scheduling_mode(config.scheduler)  # ValueError: the launcher refused it already
         self._prompt = PromptLogprobBuffer()
         self._arrivals = 0

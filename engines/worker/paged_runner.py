@@ -88,7 +88,7 @@ class PagedRunner:
         buffers, and how decode steps run (decode_mode, chosen by the engine: docs/paged.md)."""
         r = self.runner
         cls = select_backend(attention_backend, r.device)
-        self.backend = cls(r.num_layers, r.num_kv_heads, r.head_dim, block_size, r.dtype, r.device)
+        self.backend = cls(r.num_layers, r.num_kv_heads, r.head_dim, block_size, r.dtype, r.device, r.layer_options)
         self.backend.allocate(num_blocks)
         max_blocks = -(-r.max_model_len // block_size)
         self.buffers = StepBuffers(max(max_num_batched_tokens, max_num_seqs), max_num_seqs, max_blocks, block_size,

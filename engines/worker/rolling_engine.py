@@ -13,7 +13,8 @@ import logging
 
 import torch
 
-from engines.config import LmiConfig, model_max_len
+from engines.models.spec import ModelSpec
+from engines.config import LmiConfig
 from engines.core.admission import AdmissionLimits, admit, fits_alone
 from engines.core.request import Request, Status
 from engines.startup import TIMELINE
@@ -57,8 +58,7 @@ class StepOutput:
 class RollingEngine(EngineLoop):
     def __init__(self, config: LmiConfig, publish, comm=None):
         super().__init__(config, publish, comm or SingleProcess())
-        self.runner = ModelRunner(config.model, model_max_len(config.model.local_dir, config.model.max_model_len),
-                                  self.comm)
+        self.runner = ModelRunner(config.model, ModelSpec.of(config.model), self.comm)
         self.batch = Mirrored(PaddedBatch(self.runner), self.comm)  # rows in the order of self.running
         self.sampler = Sampler(self.runner.device)
         self.waiting: collections.deque[Request] = collections.deque()

@@ -1,0 +1,124 @@
+"""Model families, each a small random checkpoint written as its hub checkpoints are (container/
+model_maker.FAMILIES): greedy output of the paged and padded engines equals transformers' `generate`
+token for token; a family we do not implement natively runs on the fallback, by name, and is right
+there too; the EOS set of generation_config.json stops every engine."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from container.model_maker import make_model
+from engines.models.registry import fallback_reason
+from engines.models.spec import ModelSpec
+from engines.sampling_params import SamplingParams
+from tests.support import drive_engine, local_engine, output_tokens
+
+# prompt lengths straddle a 16-token block and the 24-token windows of the windowed families
+PROMPTS = [[1] + [(7 * i + 3) % 1000 + 3 for i in range(n)] for n in (5, 17, 40)]
+NEW_TOKENS = 12
+
+NATIVE = [("llama", "legacy"), ("llama3", "legacy"), ("llama3", "parameters"), ("mistral", "legacy"),
+          ("mistral-window", "legacy"), ("qwen2", "legacy"), ("qwen2.5", "legacy")]
+TODO_NATIVE = [("phi3", "legacy")]
+FALLBACK = [("gpt2", "legacy")]
+
+
+@pytest.fixture(scope="module")
+def family_dir(tmp_path_factory):
+    made: dict[tuple[str, str], Path] = {}
+
+    def get(arch: str, rope_form: str) -> Path:
+        if (arch, rope_form) not in made:
+            out = tmp_path_factory.mktemp("families") / f"{arch}-{rope_form}"
+            make_model(str(out), arch=arch, size="tiny", seed=11, rope_form=rope_form)
+            made[arch, rope_form] = out
+        return made[arch, rope_form]
+
+    return get
+
+
+def hf_greedy(model_dir: Path, prompts=PROMPTS, new_tokens: int = NEW_TOKENS) -> list[list[int]]:
+    """transformers' greedy `generate`, one prompt at a time, cut after the first EOS of the set its
+    generation config names."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    outs = []
+    for prompt in prompts:
+        ids = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+        cut = next((i + 1 for i, t in enumerate(ids) if t in eos), len(ids))
+        outs.append(ids[:cut])
+    return outs
+
+
+def engine_greedy(model_dir: Path, kind: str, prompts=PROMPTS, new_tokens: int = NEW_TOKENS,
+                  **sched) -> list[list[int]]:
+    """The engine's greedy tokens with the prompts joining one step apart (batched mid-flight); the
+    dynamic engine's as one batch."""
+    if kind == "dynamic":
+        from engines.config import ModelConfig
+        from engines.dynamic.generator import HFGenerator
+        from engines.protocol import Add
+
+        config = ModelConfig(local_dir=str(model_dir), dtype="fp32")
+        gen = HFGenerator(config, ModelSpec.of(config))
+        gen.load()
+        outs = gen.generate([Add(f"r{i}", p, SamplingParams(max_new_tokens=new_tokens)) for i, p in enumerate(prompts)])
+        return [o.token_ids for o in outs]
+    engine = local_engine(model_dir, kind, **sched)
+    requests = [(f"r{i}", p, SamplingParams(max_new_tokens=new_tokens)) for i, p in enumerate(prompts)]
+    outputs = drive_engine(engine, requests)
+    engine.stop_ranks() if kind == "paged" else None
+    return [output_tokens(outputs[f"r{i}"]) for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("arch,rope_form", NATIVE, ids=[f"{a}-{f}" for a, f in NATIVE])
+def test_native_families_give_hf_greedy_tokens_in_both_engines(family_dir, arch, rope_form):
+    model_dir = family_dir(arch, rope_form)
+    assert fallback_reason(ModelSpec.read(str(model_dir))) is None
+    expected = hf_greedy(model_dir)
+    assert all(len(ids) == NEW_TOKENS for ids in expected)  # no early EOS: every token compared
+    assert engine_greedy(model_dir, "paged") == expected
+    assert engine_greedy(model_dir, "rolling") == expected
+
+
+@pytest.mark.parametrize("arch,rope_form", FALLBACK, ids=[a for a, _ in FALLBACK])
+def test_other_families_run_on_the_fallback_by_name_and_right(family_dir, arch, rope_form):
+    model_dir = family_dir(arch, rope_form)
+    spec = ModelSpec.read(str(model_dir))
+    assert fallback_reason(spec) == f"no native implementation of {spec.architecture}"
+    assert engine_greedy(model_dir, "rolling") == hf_greedy(model_dir)
+
+
+def test_both_rope_forms_give_one_spec(family_dir):
+    for arch in ("llama3", "phi3"):
+        legacy, new = (ModelSpec.read(str(family_dir(arch, form))) for form in ("legacy", "parameters"))
+        assert "rope_scaling" in legacy.config and "rope_parameters" in new.config
+        assert legacy.rope == new.rope and legacy.rope.kind == {"llama3": "llama3", "phi3": "longrope"}[arch]
+
+
+@pytest.mark.parametrize("kind", ["paged", "rolling", "dynamic"])
+def test_every_engine_stops_on_each_eos_of_the_generation_config(family_dir, tmp_path, kind):
+    """A Llama-3 style EOS list: the second id is a token the model emits mid-answer, so a stop on it
+    shows; config.json keeps the single id (generation_config.json wins)."""
+    src = family_dir("llama3", "legacy")
+    model_dir = tmp_path / "llama3-eos"
+    model_dir.mkdir()
+    for f in src.iterdir():
+        (model_dir / f.name).write_bytes(f.read_bytes())
+    free = hf_greedy(src, PROMPTS[:1])[0]
+    stop = free[3]
+    assert stop not in free[:3]
+    gen = json.loads((model_dir / "generation_config.json").read_text())
+    gen["eos_token_id"] = [gen["eos_token_id"], stop]
+    (model_dir / "generation_config.json").write_text(json.dumps(gen))
+    assert ModelSpec.read(str(model_dir)).eos_token_ids == (2, stop)
+    expected = hf_greedy(model_dir, PROMPTS[:1])
+    assert expected == [free[:4]]
+    assert engine_greedy(model_dir, kind, PROMPTS[:1]) == expected
