@@ -174,9 +174,9 @@ def compile_start(model_dir: str) -> dict[str, float]:
     cache, compiled with that cache warm."""
     cache = tempfile.mkdtemp(prefix="lmi-compile-cache-")
     out = {}
-    for name, extra in (("eager", []), ("compile, empty cache", [f"paged:option.cpu_compile=true",
+    for name, extra in (("eager", []), ("compile, empty cache", ["paged:option.cpu_compile=true",
                                                                   f"paged:option.compile_cache_dir={cache}"]),
-                        ("compile, warm cache", [f"paged:option.cpu_compile=true",
+                        ("compile, warm cache", ["paged:option.cpu_compile=true",
                                                  f"paged:option.compile_cache_dir={cache}"])):
         started = time.monotonic()
         server = BenchServer("paged", model_dir, "bf16", "512MiB", extra)

@@ -32,8 +32,6 @@ def measure_one(model_dir: str, batch: int, prompt: int, new: int, dtype: str, c
     """compile_cache: run with option.cpu_compile (torch.compile'd decode steps, cached there)."""
     import random
 
-    import torch
-
     from engines.config import ENGINE_PAGED, LmiConfig, ModelConfig, SchedulerConfig
     from engines.protocol import Add
     from engines.sampling_params import SamplingParams

@@ -11,7 +11,7 @@ import pytest
 import requests
 
 from container.model_maker import corpus_lines, make_model
-from tests.support import hf_oracle, ids_of, ping, running_server, wait_for, wait_idle, wait_running
+from tests.support import hf_oracle, ids_of, running_server, wait_for, wait_idle, wait_running
 
 PROPERTIES = """
 engine=Python

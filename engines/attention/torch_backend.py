@@ -19,7 +19,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-from torch import nn
 
 from engines.attention.base import AttentionBackend, LayerOptions, StepView, bucket, to_device
 from engines.layers.attention import masked_attention, softcap
