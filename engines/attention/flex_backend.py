@@ -115,6 +115,10 @@ class FlexPagedBackend(AttentionBackend):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        if any(o.window or o.softcap for o in self.layers):
+            raise ValueError("option.attention_backend=flex does not implement sliding windows or logit softcaps "
+                             "(this model has them): use auto, triton or torch")
+        self.scale = self.layers[0].scale  # one scale for every layer of the models flex serves
         is_cuda = self.device.type == "cuda"
         if is_cuda and self.block_size % MIN_BLOCK:
             raise ValueError(f"the flex backend needs option.kv_block_size a multiple of {MIN_BLOCK} on CUDA, "
