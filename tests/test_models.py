@@ -33,6 +33,7 @@ VARIANTS = {
     "llama": ("llama", None),
     "mistral": ("mistral", None),
     "qwen2": ("qwen2", None),
+    "qwen3": ("qwen3", None),  # q/k norms (perturbed: a norm loaded wrong shows)
     "llama-mqa": ("llama", {"num_key_value_heads": 1}),
     "llama-mha": ("llama", {"num_key_value_heads": 4}),  # 4 attention heads in tiny: plain MHA
     "llama-bias": ("llama", {"attention_bias": True}),  # q/k/v and o biases
@@ -215,8 +216,8 @@ def spec_of(architecture: str) -> ModelSpec:
 
 
 def test_registry_maps_exactly_the_llama_family():
-    assert set(NATIVE) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
-    for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"):
+    assert set(NATIVE) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+    for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         assert model_class(spec_of(arch)) is LlamaForCausalLM
     for arch in ("GPT2LMHeadModel", "MixtralForCausalLM", "llamaforcausallm", ""):
         assert model_class(spec_of(arch)) is None

@@ -14,6 +14,7 @@ from torch import nn
 
 from engines.dist import Communicator
 from engines.layers.linear import ColumnParallelLinear, RowParallelLinear
+from engines.layers.norm import RMSNorm
 from engines.layers.rotary import RotaryEmbedding
 from engines.memory_plan import local_kv_heads
 
@@ -25,7 +26,8 @@ class AttentionBackend(Protocol):
 
 class Attention(nn.Module):
     def __init__(self, layer_idx: int, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 rotary: RotaryEmbedding, comm: Communicator, *, qkv_bias: bool = False, o_bias: bool = False):
+                 rotary: RotaryEmbedding, comm: Communicator, *, qkv_bias: bool = False, o_bias: bool = False,
+                 qk_norm_eps: float | None = None):
         super().__init__()
         world = comm.world_size
         if num_heads % world:
@@ -46,6 +48,9 @@ class Attention(nn.Module):
         else:
             self.kv_rows = None
         self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, comm, bias=o_bias)
+        # Qwen3: each head's q and k RMS-normalised before the rotation
+        self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.comm = comm
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend, meta) -> torch.Tensor:
@@ -56,6 +61,8 @@ class Attention(nn.Module):
         q = q.view(b, t, self.num_heads, self.head_dim)
         k = k.view(b, t, self.num_kv_heads, self.head_dim)
         v = v.view(b, t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         out = backend.forward(self.layer_idx, q, k, v, meta)  # [B, T, heads, D]
         return self.o_proj(out.reshape(b, t, q_size))

@@ -1,7 +1,9 @@
-"""The Llama family (Llama, Mistral, Qwen2): one implementation, the differences are config.
+"""The Llama family (Llama 1-3.x, Mistral, Qwen2/2.5, Qwen3): one implementation, the differences
+are the ModelSpec's (rope scaling, sliding windows, head_dim) and two switches here.
 
     embed → N × [RMSNorm → attention (+res) → RMSNorm → SwiGLU MLP (+res)] → RMSNorm → LM head
-Qwen2 adds biases to q/k/v. Weights load from HF checkpoint names, each rank taking its shard.
+Qwen2 adds biases to q/k/v; Qwen3 RMS-normalises each head's q and k before the rotation. Weights
+load from HF checkpoint names, each rank taking its shard.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ class DecoderLayer(nn.Module):
         is_qwen2 = spec.model_type == "qwen2"
         bias = bool(spec.config.get("attention_bias", False))
         self.self_attn = Attention(idx, spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, rotary,
-                                   comm, qkv_bias=bias or is_qwen2, o_bias=bias and not is_qwen2)
+                                   comm, qkv_bias=bias or is_qwen2, o_bias=bias and not is_qwen2,
+                                   qk_norm_eps=spec.norm_eps if spec.model_type == "qwen3" else None)
         self.mlp = MLP(spec.hidden_size, spec.intermediate_size, comm)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.norm_eps)
@@ -122,6 +125,8 @@ def _load_layer_weight(layer: DecoderLayer, rest: str, shape: list[int], get: Sl
         layer.mlp.down_proj.load_shard(get, which)
     elif module in ("input_layernorm", "post_attention_layernorm"):
         getattr(layer, module).weight.data.copy_(get((slice(None),)))
+    elif owner == "self_attn" and proj in ("q_norm", "k_norm") and layer.self_attn.q_norm is not None:
+        getattr(layer.self_attn, proj).weight.data.copy_(get((slice(None),)))
     elif rest.endswith("rotary_emb.inv_freq"):
         return False
     else:

@@ -17,6 +17,7 @@ NATIVE = {
     "LlamaForCausalLM": "llama:LlamaForCausalLM",
     "MistralForCausalLM": "llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "llama:LlamaForCausalLM",
+    "Qwen3ForCausalLM": "llama:LlamaForCausalLM",
 }
 ROPE_KINDS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
