@@ -23,8 +23,8 @@ PROMPTS = [[1] + [(7 * i + 3) % 1000 + 3 for i in range(n)] for n in (5, 17, 40)
 NEW_TOKENS = 12
 
 NATIVE = [("llama", "legacy"), ("llama3", "legacy"), ("llama3", "parameters"), ("mistral", "legacy"),
-          ("mistral-window", "legacy"), ("qwen2", "legacy"), ("qwen2.5", "legacy"), ("qwen3", "legacy")]
-TODO_NATIVE = [("phi3", "legacy")]
+          ("mistral-window", "legacy"), ("qwen2", "legacy"), ("qwen2.5", "legacy"), ("qwen3", "legacy"),
+          ("phi3", "legacy"), ("phi3", "parameters")]
 FALLBACK = [("gpt2", "legacy")]
 
 

@@ -216,7 +216,8 @@ def spec_of(architecture: str) -> ModelSpec:
 
 
 def test_registry_maps_exactly_the_llama_family():
-    assert set(NATIVE) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+    assert set(NATIVE) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Phi3ForCausalLM"}
     for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         assert model_class(spec_of(arch)) is LlamaForCausalLM
     for arch in ("GPT2LMHeadModel", "MixtralForCausalLM", "llamaforcausallm", ""):

@@ -37,7 +37,7 @@ class Attention(nn.Module):
         self.num_kv_heads, replicated = local_kv_heads(num_kv_heads, world)
         self.head_dim = head_dim
         self.rotary = rotary
-        kv_size = num_kv_heads * head_dim
+        self.kv_size = kv_size = num_kv_heads * head_dim  # all ranks'
         local_kv = self.num_kv_heads * head_dim
         # fused [q | k | v]; with replicated KV heads each rank keeps the one head its q heads use
         self.qkv_proj = ColumnParallelLinear(hidden_size, [num_heads * head_dim, kv_size, kv_size], comm,

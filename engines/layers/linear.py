@@ -88,6 +88,17 @@ class ColumnParallelLinear(nn.Module):
         target = self.weight if which == "weight" else self.bias
         target.data[start:start + hi - lo].copy_(get((slice(lo, hi),)))
 
+    def load_fused(self, full_sizes: Sequence[int], get: SliceReader, which: str = "weight",
+                   rows: Sequence[tuple[int, int] | None] = ()) -> None:
+        """A checkpoint tensor holding every part, concatenated (Phi-3's qkv_proj, gate_up_proj):
+        each part's rows of this rank, as load_shard reads a part stored alone."""
+        offset = 0
+        for part, size in enumerate(full_sizes):
+            def reader(index, at=offset):
+                return get((slice(at + index[0].start, at + index[0].stop),) + tuple(index[1:]))
+            self.load_shard(part, size, reader, which, rows[part] if part < len(rows) else None)
+            offset += size
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
 

@@ -113,7 +113,13 @@ _GATE_UP = {"gate_proj": 0, "up_proj": 1}
 def _load_layer_weight(layer: DecoderLayer, rest: str, shape: list[int], get: SliceReader) -> bool:
     module, which = rest.rsplit(".", 1)  # e.g. "self_attn.q_proj", "weight"
     owner, _, proj = module.rpartition(".")
-    if owner == "self_attn" and proj in _QKV:
+    if owner == "self_attn" and proj == "qkv_proj":  # Phi-3: q, k and v in one tensor
+        attn = layer.self_attn
+        q_rows, kv_rows = attn.num_heads * attn.head_dim * attn.comm.world_size, attn.kv_size
+        attn.qkv_proj.load_fused([q_rows, kv_rows, kv_rows], get, which, [None, attn.kv_rows, attn.kv_rows])
+    elif owner == "mlp" and proj == "gate_up_proj":  # Phi-3: gate and up in one tensor
+        layer.mlp.gate_up_proj.load_fused([shape[0] // 2] * 2, get, which)
+    elif owner == "self_attn" and proj in _QKV:
         attn = layer.self_attn
         part = _QKV[proj]
         attn.qkv_proj.load_shard(part, shape[0], get, which, attn.kv_rows if part else None)

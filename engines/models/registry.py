@@ -18,6 +18,7 @@ NATIVE = {
     "MistralForCausalLM": "llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "llama:LlamaForCausalLM",
+    "Phi3ForCausalLM": "llama:LlamaForCausalLM",
 }
 ROPE_KINDS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
