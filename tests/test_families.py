@@ -122,3 +122,19 @@ def test_every_engine_stops_on_each_eos_of_the_generation_config(family_dir, tmp
     expected = hf_greedy(model_dir, PROMPTS[:1])
     assert expected == [free[:4]]
     assert engine_greedy(model_dir, kind, PROMPTS[:1]) == expected
+
+
+@pytest.mark.parametrize("setting,reason", [
+    ({"mlp_bias": True}, "mlp_bias=true (our MLPs have no biases)"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu' (our LlamaForCausalLM code has SiLU-gated MLPs)"),
+    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping (not applied by our code for this architecture)"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}, "max_position_embeddings": 512},
+     "rope_type 'dynamic' past max_position_embeddings=512 (max_model_len 1024): transformers rescales its base "
+     "with each sequence's length"),
+    ({"rope_scaling": {"rope_type": "mystery"}}, "rope_type 'mystery' is not implemented natively"),
+])
+def test_a_setting_our_code_cannot_honour_falls_back_by_name(setting, reason):
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "max_position_embeddings": 1024, "hidden_act": "silu"}
+    assert fallback_reason(ModelSpec.from_dicts(cfg)) is None
+    assert fallback_reason(ModelSpec.from_dicts({**cfg, **setting}, max_model_len=1024)) == reason

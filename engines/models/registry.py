@@ -27,6 +27,13 @@ def fallback_reason(spec: ModelSpec) -> str | None:
     """Why the checkpoint cannot run natively (None: it can)."""
     if spec.architecture not in NATIVE:
         return f"no native implementation of {spec.architecture}"
+    act = spec.config.get("hidden_act") or spec.config.get("hidden_activation") or "silu"
+    if act != "silu":
+        return f"hidden_act {act!r} (our {spec.architecture} code has SiLU-gated MLPs)"
+    if spec.config.get("mlp_bias"):
+        return "mlp_bias=true (our MLPs have no biases)"
+    if spec.final_logit_softcap:
+        return "final_logit_softcapping (not applied by our code for this architecture)"
     for rope in filter(None, (spec.rope, spec.local_rope)):
         if rope.kind not in ROPE_KINDS:
             return f"rope_type {rope.kind!r} is not implemented natively"
