@@ -170,7 +170,10 @@ def test_hf_fallback_path_with_gpt2_equals_hf_generate(tmp_path, start_server):
     make_model(str(model_dir), arch="gpt2", size="tiny", seed=3)
     oracle = hf_oracle(model_dir)
     srv = start_server(PROPERTIES, model_dir)
-    assert "HF fallback path" in srv.log()
+    log = srv.log()
+    assert ("model code: the transformers fallback in the padded engine (no native implementation of "
+            "GPT2LMHeadModel)") in log
+    assert "loaded GPT2LMHeadModel (the transformers fallback: no native implementation of GPT2LMHeadModel" in log
 
     def send(i):
         time.sleep(0.03 * i)
