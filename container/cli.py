@@ -59,7 +59,8 @@ def cmd_serve(args) -> int:
         local_dir = resolve_model(resolved["option.model_id"], args.model_dir, revision=resolved["option.revision"],
                                   download_dir=resolved["download_dir"] or cfgmod.default_download_dir(os.environ))
     started = time.perf_counter()
-    config = cfgmod.build(resolved, local_dir=local_dir, spec=cfgmod.read_spec(local_dir, resolved["option.max_model_len"]),
+    spec = cfgmod.read_spec(local_dir, resolved["option.max_model_len"])
+    config = cfgmod.build(resolved, local_dir=local_dir, spec=spec,
                           num_gpus=cfgmod.count_gpus(os.environ), num_cpus=os.cpu_count() or 1,
                           port=cfgmod.resolve_port(args.port, os.environ))
     TIMELINE.record("configuration", configuring + time.perf_counter() - started, "serving.properties, environment")
@@ -67,21 +68,21 @@ def cmd_serve(args) -> int:
     log.info("engine: %s, model: %s", config.scheduler.engine_kind, local_dir)
     log.info("listening on http://%s:%d (/ping, /invocations, /v1/chat/completions, /metrics)",
              args.host, config.server.port)
-    problem = _check_plan(resolved, config)
+    problem = _check_plan(resolved, config, spec)
     if problem:
         log.error("lmi-serve did not start: %s", problem)
         return 2
     return Launcher(config, host=args.host).run()
 
 
-def _check_plan(resolved: cfgmod.ResolvedConfig, config) -> str | None:
+def _check_plan(resolved: cfgmod.ResolvedConfig, config, spec) -> str | None:
     """Log the memory plan's summary for this machine; the "does not fit" line when it cannot fit."""
     from container import planner
     from engines.memory_plan import plan
 
     machine = planner.this_machine(cfgmod.count_gpus(os.environ))
     try:
-        shape = planner.read_model_shape(config.model.local_dir, config.model.max_model_len)
+        shape = planner.read_model_shape(config.model.local_dir, spec=spec)
     except (OSError, ValueError) as exc:
         log.warning("no memory plan: %s", exc)
         return None

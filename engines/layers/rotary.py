@@ -56,7 +56,6 @@ def _llama3(inv_freq: torch.Tensor, rope: RopeSpec) -> torch.Tensor:
     wavelength = 2 * math.pi / inv_freq
     # 0 for wavelengths longer than original / low (interpolate fully), 1 below original / high (keep)
     keep = ((original / wavelength - low) / (high - low)).clamp(0.0, 1.0)
-    keep = torch.where(wavelength > original / low, 0.0, torch.where(wavelength < original / high, 1.0, keep))
     return (1 - keep) * inv_freq / factor + keep * inv_freq
 
 
@@ -96,22 +95,15 @@ def _longrope(rope: RopeSpec, dim: int, max_positions: int, original: int,
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, rope: RopeSpec, rotary_dim: int, max_positions: int,
-                 max_position_embeddings: int | None, interleaved: bool = False):
+                 max_position_embeddings: int | None):
         super().__init__()
-        self.interleaved = interleaved
-        if interleaved:
-            if rope.kind != "default":
-                raise ValueError(f"interleaved rotary with rope_type {rope.kind!r}")
-            cos, sin = rotary_tables(default_inv_freq(rope.theta, rotary_dim), max_positions, interleaved=True)
-        else:
-            cos, sin = rope_tables(rope, rotary_dim, max_positions, max_position_embeddings)
+        cos, sin = rope_tables(rope, rotary_dim, max_positions, max_position_embeddings)
         self.register_buffer("cos", cos, persistent=False)  # [max_positions, rotary_dim]
         self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [..., tokens, heads, head_dim], k likewise, positions: [..., tokens] → rotated (q, k)."""
         shape_q, shape_k = q.shape, k.shape
-        kwargs = {"interleaved": True} if self.interleaved else {}
         q, k = ops().rotary_embedding(positions.reshape(-1), q.reshape(-1, *shape_q[-2:]),
-                                      k.reshape(-1, *shape_k[-2:]), self.cos, self.sin, **kwargs)
+                                      k.reshape(-1, *shape_k[-2:]), self.cos, self.sin)
         return q.reshape(shape_q), k.reshape(shape_k)

@@ -134,10 +134,6 @@ class ModelSpec(msgspec.Struct, frozen=True):
         """The score scale: 1/sqrt(head_dim), or Gemma-2's 1/sqrt(query_pre_attn_scalar)."""
         return float(self.config.get("query_pre_attn_scalar") or self.head_dim) ** -0.5
 
-    @property
-    def has_sliding_window(self) -> bool:
-        return any(w is not None for w in self.sliding_windows)
-
 
 _TIED_BY_DEFAULT = {"gemma", "gemma2", "gemma3_text", "gpt2"}  # families whose config class defaults to tying
 
