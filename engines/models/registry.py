@@ -2,38 +2,59 @@
 
 `fallback_reason(spec)` is the one decision: the launcher picks the engine with it (the fallback
 runs in the padded engine, never the paged one), the model runner picks the model code with it, and
-the start log and `lmi plan` print it. Pure Python: the launcher imports no torch. An architecture
+the start log and `lmi plan` print it. Pure Python: the launcher imports no torch. Each native
+architecture names its code and the settings that code honours (`Native.check`); an architecture
 we implement that meets a setting our code cannot honour falls back by name, never runs wrong.
 """
 
 from __future__ import annotations
 
 import importlib
+from typing import Callable, NamedTuple
 
 from engines.models.spec import ModelSpec
 
-# config.json `architectures` → "module:class" under engines.models (imported when a model is built)
-NATIVE = {
-    "LlamaForCausalLM": "llama:LlamaForCausalLM",
-    "MistralForCausalLM": "llama:LlamaForCausalLM",
-    "Qwen2ForCausalLM": "llama:LlamaForCausalLM",
-    "Qwen3ForCausalLM": "llama:LlamaForCausalLM",
-    "Phi3ForCausalLM": "llama:LlamaForCausalLM",
-}
 ROPE_KINDS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
-def fallback_reason(spec: ModelSpec) -> str | None:
-    """Why the checkpoint cannot run natively (None: it can)."""
-    if spec.architecture not in NATIVE:
-        return f"no native implementation of {spec.architecture}"
-    act = spec.config.get("hidden_act") or spec.config.get("hidden_activation") or "silu"
+def activation(spec: ModelSpec, default: str = "silu") -> str:
+    return spec.config.get("hidden_act") or spec.config.get("hidden_activation") or default
+
+
+def _llama(spec: ModelSpec) -> str | None:
+    act = activation(spec)
     if act != "silu":
         return f"hidden_act {act!r} (our {spec.architecture} code has SiLU-gated MLPs)"
     if spec.config.get("mlp_bias"):
         return "mlp_bias=true (our MLPs have no biases)"
     if spec.final_logit_softcap:
         return "final_logit_softcapping (not applied by our code for this architecture)"
+    return None
+
+
+class Native(NamedTuple):
+    code: str  # "module:Class" under engines.models, imported when a model is built
+    check: Callable[[ModelSpec], str | None]  # a setting of the checkpoint the code does not honour
+
+
+# config.json `architectures` → our implementation
+NATIVE: dict[str, Native] = {
+    "LlamaForCausalLM": Native("llama:LlamaForCausalLM", _llama),
+    "MistralForCausalLM": Native("llama:LlamaForCausalLM", _llama),
+    "Qwen2ForCausalLM": Native("llama:LlamaForCausalLM", _llama),
+    "Qwen3ForCausalLM": Native("llama:LlamaForCausalLM", _llama),
+    "Phi3ForCausalLM": Native("llama:LlamaForCausalLM", _llama),
+}
+
+
+def fallback_reason(spec: ModelSpec) -> str | None:
+    """Why the checkpoint cannot run natively (None: it can)."""
+    native = NATIVE.get(spec.architecture)
+    if native is None:
+        return f"no native implementation of {spec.architecture}"
+    reason = native.check(spec)
+    if reason:
+        return reason
     for rope in filter(None, (spec.rope, spec.local_rope)):
         if rope.kind not in ROPE_KINDS:
             return f"rope_type {rope.kind!r} is not implemented natively"
@@ -47,5 +68,5 @@ def model_class(spec: ModelSpec):
     """Our implementation of the checkpoint, or None when it runs on the fallback."""
     if fallback_reason(spec) is not None:
         return None
-    module, name = NATIVE[spec.architecture].split(":")
+    module, name = NATIVE[spec.architecture].code.split(":")
     return getattr(importlib.import_module(f"engines.models.{module}"), name)
