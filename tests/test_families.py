@@ -6,6 +6,9 @@ there too; the EOS set of generation_config.json stops every engine."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,13 +21,14 @@ from engines.models.spec import ModelSpec
 from engines.sampling_params import SamplingParams
 from tests.support import drive_engine, local_engine, output_tokens
 
+ROOT = Path(__file__).resolve().parents[1]
 # prompt lengths straddle a 16-token block and the 24-token windows of the windowed families
 PROMPTS = [[1] + [(7 * i + 3) % 1000 + 3 for i in range(n)] for n in (5, 17, 40)]
 NEW_TOKENS = 12
 
 NATIVE = [("llama", "legacy"), ("llama3", "legacy"), ("llama3", "parameters"), ("mistral", "legacy"),
           ("mistral-window", "legacy"), ("qwen2", "legacy"), ("qwen2.5", "legacy"), ("qwen3", "legacy"),
-          ("phi3", "legacy"), ("phi3", "parameters")]
+          ("phi3", "legacy"), ("phi3", "parameters"), ("gemma", "legacy"), ("gemma2", "legacy")]
 FALLBACK = [("gpt2", "legacy")]
 
 
@@ -138,3 +142,49 @@ def test_a_setting_our_code_cannot_honour_falls_back_by_name(setting, reason):
            "num_attention_heads": 4, "max_position_embeddings": 1024, "hidden_act": "silu"}
     assert fallback_reason(ModelSpec.from_dicts(cfg)) is None
     assert fallback_reason(ModelSpec.from_dicts({**cfg, **setting}, max_model_len=1024)) == reason
+
+
+# the native families whose heads (and KV heads, or one KV head replicated) split over two ranks
+TP2 = [("llama3", "legacy"), ("mistral-window", "legacy"), ("qwen2.5", "legacy"), ("qwen3", "legacy"),
+       ("phi3", "legacy"), ("gemma2", "legacy")]
+
+
+def test_native_families_at_tp2_give_hf_greedy_tokens(family_dir, tmp_path):
+    """One `mpirun -np 2` runs the paged engine at TP=2 on every family in turn (tests/tp_families.py)."""
+    dirs = [str(family_dir(arch, form)) for arch, form in TP2]
+    job, out = tmp_path / "job.json", tmp_path / "out.json"
+    job.write_text(json.dumps({"prompts": PROMPTS, "new_tokens": NEW_TOKENS}))
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run(["mpirun", "--allow-run-as-root", "--bind-to", "none", "-np", "2", sys.executable, "-m",
+                           "tests.tp_families", str(out), str(job), *dirs], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(out.read_text())
+    for (arch, _), model_dir in zip(TP2, dirs):
+        assert got[model_dir] == hf_greedy(Path(model_dir)), arch
+
+
+SPEED_FAMILIES = ["qwen3", "gemma2"]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("arch", SPEED_FAMILIES)
+def test_prefix_caching_and_speculation_give_hf_greedy_tokens(family_dir, arch, method):
+    """Speculation (prompt lookup, or the model as its own draft) with prefix caching on: the prompts
+    run twice, the second time from cached blocks, greedy equal to transformers' both times."""
+    model_dir = family_dir(arch, "legacy")
+    prompts = PROMPTS + [[1] + [5, 6, 7, 8, 9] * 6]  # a repetitive one: prompt lookup finds matches
+    expected = hf_greedy(model_dir, prompts)
+    extra = {"speculative_model": str(model_dir)} if method == "draft" else {}
+    engine = local_engine(model_dir, "paged", enable_prefix_caching=True, speculative_method=method,
+                          num_speculative_tokens=3, **extra)
+    for round_ in ("cold", "cached"):
+        outputs = drive_engine(engine, [(f"{round_}{i}", p, SamplingParams(max_new_tokens=NEW_TOKENS))
+                                        for i, p in enumerate(prompts)], join_every=2)
+        assert [output_tokens(outputs[f"{round_}{i}"]) for i in range(len(prompts))] == expected, round_
+    metrics = engine.metrics()
+    # at least every whole block of each prompt, the second time (the first time shares some too)
+    assert metrics["prefix_cache_hit_tokens"] >= sum((len(p) - 1) // 16 * 16 for p in prompts) > 0
+    assert metrics["spec_proposed_tokens"] > 0 and metrics["spec_accepted_tokens"] > 0
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    engine.stop_ranks()

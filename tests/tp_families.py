@@ -1,0 +1,46 @@
+"""Run under `mpirun -np 2`: the paged engine at TP=2 on each model directory given, in turn, and
+rank 0 writes each one's greedy tokens to a JSON file (tests/test_families.py compares them with
+transformers' `generate`). One mpirun for every family: each model's ranks load, serve the
+prompts and stop, then the next model loads.
+
+    python -m tests.tp_families OUT.json PROMPTS.json DIR [DIR ...]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def main(out_path: str, prompts_path: str, model_dirs: list[str]) -> None:
+    from engines.config import ENGINE_PAGED, LmiConfig, ModelConfig, SchedulerConfig
+    from engines.dist import make_communicator, rank_info
+    from engines.sampling_params import SamplingParams
+    from engines.serve import run_shard
+    from engines.worker.paged_engine import PagedEngine
+    from tests.support import drive_engine, output_tokens
+
+    comm = make_communicator(rank_info(os.environ))
+    with open(prompts_path, encoding="utf-8") as f:
+        job = json.load(f)
+    results = {}
+    for model_dir in model_dirs:
+        config = LmiConfig(model=ModelConfig(local_dir=model_dir, dtype="fp32"),
+                           scheduler=SchedulerConfig(engine_kind=ENGINE_PAGED, kv_cache_memory="4MiB", max_num_seqs=4))
+        if comm.rank:
+            run_shard(config, comm)  # returns when rank 0 stops the ranks
+            continue
+        engine = PagedEngine(config, lambda outs: None, comm)
+        engine.load()
+        params = SamplingParams(max_new_tokens=job["new_tokens"])
+        outputs = drive_engine(engine, [(f"r{i}", p, params) for i, p in enumerate(job["prompts"])])
+        engine.stop_ranks()
+        results[model_dir] = [output_tokens(outputs[f"r{i}"]) for i in range(len(job["prompts"]))]
+    if comm.rank == 0:
+        with open(out_path, "w", encoding="utf-8") as f:
+            json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3:])
