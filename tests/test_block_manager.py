@@ -232,3 +232,31 @@ def test_preempted_request_rehits_its_own_blocks():
     bm.free(a)
     a.num_computed_tokens = 0
     assert bm.get_computed_blocks(a) == [0, 1]  # 11 tokens: blocks 0, 1 full; block 2 never registered
+
+
+def test_blocks_behind_a_sliding_window_are_released_once_and_never_freed_twice():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True, window=6)
+    r = req(list(range(10, 24)))  # 14 tokens
+    assert bm.allocate(r, 14)
+    r.num_computed_tokens = 14
+    bm.cache_full_blocks(r, 14)
+    bm.release_outside_window(r)  # the next query (position 14) sees keys 9..14: blocks 0 and 1 are behind
+    assert r.num_released_blocks == 2 and bm.num_free_blocks == 8 - 4 + 2
+    bm.release_outside_window(r)
+    assert bm.num_free_blocks == 6
+    bm.check_invariants([r])
+    other = req(list(range(10, 19)))  # the released blocks keep their prefix: a later request hits them
+    assert bm.get_computed_blocks(other) == r.block_ids[:2]
+    bm.free(r)
+    assert bm.num_free_blocks == 8 and r.num_released_blocks == 0
+    bm.check_invariants([])
+
+
+def test_no_window_or_a_short_sequence_releases_nothing():
+    for window, computed in ((None, 14), (16, 14)):
+        bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False, window=window)
+        r = req(list(range(14)))
+        assert bm.allocate(r, 14)
+        r.num_computed_tokens = computed
+        bm.release_outside_window(r)
+        assert r.num_released_blocks == 0 and bm.num_free_blocks == 4

@@ -188,3 +188,31 @@ def test_prefix_caching_and_speculation_give_hf_greedy_tokens(family_dir, arch, 
     assert metrics["spec_proposed_tokens"] > 0 and metrics["spec_accepted_tokens"] > 0
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
     engine.stop_ranks()
+
+
+def test_a_sliding_window_model_gives_back_the_blocks_behind_its_window(family_dir):
+    """Mistral with a 24-token window, every layer sliding: as requests decode, their first blocks go
+    back to the pool and other requests write into them, while the owners' outputs stay HF's. In a
+    pool too small for the requests' whole sequences, nobody is preempted."""
+    model_dir = family_dir("mistral-window", "legacy")
+    prompts = [[1] + [(5 * i + 11 * j) % 1000 + 3 for j in range(38 + 6 * i)] for i in range(4)]
+    new_tokens = 30
+    expected = hf_greedy(model_dir, prompts, new_tokens)
+    engine = local_engine(model_dir, "paged", kv_cache_memory=f"{16 * 512 * 16}B")  # 16 blocks of 16 tokens
+    assert engine.blocks.window == 24 and engine.blocks.num_blocks == 16
+    need = sum(-(-(len(p) + new_tokens) // 16) for p in prompts)
+    assert need > engine.blocks.num_blocks  # the whole sequences would not fit at once
+    released = []
+    step = engine.step
+
+    def step_and_count():
+        step()
+        released.append(sum(r.num_released_blocks for r in engine.scheduler.running))
+        engine.scheduler.check_invariants()
+    engine.step = step_and_count
+    outputs = drive_engine(engine, [(f"r{i}", p, SamplingParams(max_new_tokens=new_tokens))
+                                    for i, p in enumerate(prompts)])
+    assert [output_tokens(outputs[f"r{i}"]) for i in range(len(prompts))] == expected
+    assert max(released) >= 8 and engine.scheduler.num_preemptions == 0
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    engine.stop_ranks()

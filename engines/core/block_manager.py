@@ -14,6 +14,11 @@ A later request whose first blocks hash the same takes refs on those blocks inst
 them. A hit is confirmed by comparing the block's parent hash and tokens, so a hash collision never
 shares K/V. A freed block keeps its hash (it can still be hit) until the free list hands it out
 again; the free list is least recently freed first, so the least recently used prefix is evicted.
+
+Sliding window (a model whose every layer attends to at most `window` keys back, Mistral-style):
+a request's first blocks, once wholly behind the window of its next query, are given back to the
+pool as it decodes (`release_outside_window`). Their entries stay in its block table (positions
+keep their index) but are never read: the attention backends skip, or mask, keys outside the window.
 """
 
 from __future__ import annotations
@@ -69,12 +74,13 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, window: int | None = None):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.window = window  # every layer's keys lie within this many positions (None: some layer sees all)
         self.blocks = [Block(i) for i in range(num_blocks)]
         # ref 0, least recently freed first; OrderedDict: O(1) removal when a cached block is hit
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -156,12 +162,9 @@ class BlockManager:
         tokens that were rejected: never full of verified tokens, so never in the prefix cache)."""
         keep = self.num_blocks_for(num_slots)
         for block_id in reversed(req.block_ids[keep:]):
-            block = self.blocks[block_id]
-            if block.hash is not None:
+            if self.blocks[block_id].hash is not None:
                 raise AssertionError(f"block {block_id} of {req.request_id} is cached but trimmed")
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_blocks[block_id] = None
+            self._unref(block_id)
         del req.block_ids[keep:]
 
     def append_slot(self, req: Request) -> bool:
@@ -182,8 +185,9 @@ class BlockManager:
             chunk = pack_tokens(tokens[i * size:(i + 1) * size])
             h = hash_block(parent, chunk)
             block = self.blocks[req.block_ids[i]]
-            # a duplicate (same prefix computed twice at once) or a collision stays unregistered
-            if block.hash is None and h not in self.cached:
+            # a duplicate (same prefix computed twice at once) or a collision stays unregistered; so
+            # does a block already released (another request's now)
+            if block.hash is None and h not in self.cached and i >= req.num_released_blocks:
                 block.hash, block.parent, block.tokens = h, parent, chunk
                 self.cached[h] = block.block_id
             chain.append(h)
@@ -191,17 +195,33 @@ class BlockManager:
 
     def free(self, req: Request) -> None:
         """Drop the request's refs, tail first: its last blocks are then the first evicted."""
-        for block_id in reversed(req.block_ids):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_blocks[block_id] = None
+        for block_id in reversed(req.block_ids[req.num_released_blocks:]):
+            self._unref(block_id)
         req.block_ids = []
+        req.num_released_blocks = 0
         self._chains.pop(req.request_id, None)
+
+    def release_outside_window(self, req: Request) -> None:
+        """Give back the request's first blocks that lie wholly before the window of its next query
+        (at position num_computed_tokens, which only grows while it holds its blocks: a speculated
+        token rolled back was never counted). Called once its computed blocks are cached."""
+        if self.window is None:
+            return
+        first_needed = max(req.num_computed_tokens - self.window + 1, 0)  # the oldest key still attended
+        num_behind = min(first_needed // self.block_size, len(req.block_ids))
+        for block_id in req.block_ids[req.num_released_blocks:num_behind]:
+            self._unref(block_id)
+        req.num_released_blocks = max(req.num_released_blocks, num_behind)
+
+    def _unref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_blocks[block_id] = None
 
     def check_invariants(self, holders: Iterable[Request] | None = None) -> None:
         """Raise AssertionError unless the books balance (holders: every request holding blocks)."""
-        refs = Counter(b for r in holders for b in r.block_ids) if holders is not None else None
+        refs = Counter(b for r in holders for b in r.block_ids[r.num_released_blocks:]) if holders is not None else None
         for block in self.blocks:
             _check(block.ref_count >= 0, f"block {block.block_id}: ref {block.ref_count}")
             _check((block.ref_count == 0) == (block.block_id in self.free_blocks),

@@ -48,6 +48,8 @@ class Request:
         self.num_computed_tokens = 0  # tokens of all_token_ids whose K/V are in the cache
         self.num_cached_tokens = 0  # of those, found in the prefix cache when last scheduled anew
         self.block_ids: list[int] = []  # block table: token at position p lives in block_ids[p // block_size]
+        # its first blocks wholly outside a sliding window, given back (BlockManager.release_outside_window)
+        self.num_released_blocks = 0
         self.num_preemptions = 0
         self.prefix_probe: PrefixProbe | None = None
         # speculative decoding: the proposer's guesses of the next tokens, verified by the next step

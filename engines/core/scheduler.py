@@ -155,11 +155,13 @@ class Scheduler:
             if req.num_computed_tokens + num_tokens < req.num_tokens:
                 req.num_computed_tokens += num_tokens  # mid-prefill: its logits are not wanted
                 bm.cache_full_blocks(req, req.num_computed_tokens)
+                bm.release_outside_window(req)
                 continue
             self._append(req, sampled[request_id])
             # K/V hold every token but the last sampled: speculated positions past it are dropped
             req.num_computed_tokens = req.num_tokens - 1
             bm.cache_full_blocks(req, req.num_computed_tokens)
+            bm.release_outside_window(req)
             if seq.spec_token_ids and not req.is_finished:
                 bm.trim(req, req.num_tokens)
                 self._num_blocks_sent[request_id] = min(self._num_blocks_sent[request_id], len(req.block_ids))

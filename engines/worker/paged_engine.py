@@ -64,7 +64,10 @@ class PagedEngine(EngineLoop):
         with TIMELINE.phase("warm_up_buckets" if decode_mode == DECODE_EAGER else f"warm_up_buckets_{decode_mode}"):
             self.paged.call(WarmUpBuckets())
         log.info("decode steps: %s (%s)", decode_mode, why)
-        self.blocks = BlockManager(num_blocks, block_size, sched.enable_prefix_caching)
+        windows = self.runner.spec.sliding_windows
+        # every layer sliding: blocks behind the widest window go back to the pool as requests decode
+        self.blocks = BlockManager(num_blocks, block_size, sched.enable_prefix_caching,
+                                   max(windows) if windows and all(windows) else None)
         self.scheduler = Scheduler(sched.max_num_seqs, sched.max_num_batched_tokens, self.blocks, self.max_model_len,
                                    sched.num_scheduler_steps)
         self.paged.target.interrupted = self._arrived  # rank 0 ends a multi-step decode for an arrival
@@ -131,10 +134,12 @@ class PagedEngine(EngineLoop):
     def metrics(self) -> dict[str, float]:
         bm, sched = self.blocks, self.scheduler
         running = list(sched.running)
-        allocated = sum(len(r.block_ids) for r in running) * bm.block_size
+        held = {r.request_id: len(r.block_ids) - r.num_released_blocks for r in running}
+        allocated = sum(held.values()) * bm.block_size
         # a request's tokens fill its slots (the newest is written next step): the rest of its
-        # last block is what paging wastes
-        stored = sum(min(r.num_tokens, len(r.block_ids) * bm.block_size) for r in running)
+        # last block is what paging wastes (blocks released behind a sliding window hold none)
+        stored = sum(min(r.num_tokens - r.num_released_blocks * bm.block_size, held[r.request_id] * bm.block_size)
+                     for r in running)
         return {"kv_cache_usage": bm.usage, "kv_blocks_total": bm.num_blocks, "kv_blocks_free": bm.num_free_blocks,
                 "kv_slots_allocated": allocated, "kv_slots_unused": allocated - stored,
                 "prefix_cache_hit_rate": bm.prefix_hit_rate, "prefix_cache_hit_tokens": bm.num_prefix_hit_tokens,
