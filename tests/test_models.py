@@ -39,6 +39,10 @@ VARIANTS = {
     "llama-bias": ("llama", {"attention_bias": True}),  # q/k/v and o biases
     "llama-head-dim": ("llama", {"head_dim": 32}),  # head_dim != hidden / heads
     "llama-rope-theta": ("llama", {"rope_parameters": {"rope_type": "default", "rope_theta": 500.0}}),
+    "mixtral": ("mixtral", None),
+    "qwen2-moe": ("qwen2-moe", None),
+    # a dense layer (mlp_only_layers), three experts of four per token, their weights renormalised
+    "qwen2-moe-mixed": ("qwen2-moe", {"mlp_only_layers": [1], "num_experts_per_tok": 3, "norm_topk_prob": True}),
 }
 
 
@@ -122,7 +126,7 @@ def test_native_model_matches_hf_on_padded_prefill_and_decode(model_dirs, varian
     model_dir = model_dirs(variant)
     cfg = AutoConfig.from_pretrained(model_dir)
     arch, overrides = VARIANTS[variant]
-    assert cfg.model_type == arch
+    assert cfg.model_type == arch.replace("-", "_")
     for key, value in (overrides or {}).items():
         actual = getattr(cfg, key)
         assert actual == value if not isinstance(value, dict) else value.items() <= actual.items()
@@ -217,10 +221,10 @@ def spec_of(architecture: str) -> ModelSpec:
 
 def test_registry_maps_exactly_the_llama_family():
     assert set(NATIVE) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Phi3ForCausalLM"}
+                           "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM"}
     for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         assert model_class(spec_of(arch)) is LlamaForCausalLM
-    for arch in ("GPT2LMHeadModel", "MixtralForCausalLM", "llamaforcausallm", ""):
+    for arch in ("GPT2LMHeadModel", "llamaforcausallm", ""):
         assert model_class(spec_of(arch)) is None
 
 
