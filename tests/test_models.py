@@ -18,7 +18,8 @@ from container.model_maker import make_model
 from engines.dist import SingleProcess
 from engines.loader import build_model, checkpoint_files
 from engines.models.llama import LlamaForCausalLM
-from engines.models.registry import NATIVE, model_class
+from engines.models.moe import MoeForCausalLM, SparseMoE
+from engines.models.registry import NATIVE, fallback_reason, model_class
 from engines.models.spec import ModelSpec
 from engines.worker.padded_cache import GROW, PaddedKVCache
 
@@ -226,6 +227,38 @@ def test_registry_maps_exactly_the_llama_family():
         assert model_class(spec_of(arch)) is LlamaForCausalLM
     for arch in ("GPT2LMHeadModel", "llamaforcausallm", ""):
         assert model_class(spec_of(arch)) is None
+
+
+@pytest.mark.parametrize("float32_weights", [True, False])
+def test_moe_graph_safe_path_equals_the_grouped_one(float32_weights):
+    """run_all_experts (what a captured CUDA graph replays) = run_experts (eager), on CPU."""
+    g = torch.Generator().manual_seed(5)
+    moe = SparseMoE(32, 6, 2, 48, SingleProcess(), renormalize=not float32_weights, float32_weights=float32_weights)
+    for p in moe.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    x = torch.randn(9, 32, generator=g)
+    weights, experts = moe.route(x)
+    grouped, dense = moe.run_experts(x, weights, experts), moe.run_all_experts(x, weights, experts)
+    assert (grouped - dense).abs().max().item() < 1e-5
+    assert grouped.abs().max().item() > 0.1
+
+
+QWEN2_MOE = {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "hidden_size": 64,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "hidden_act": "silu", "num_experts": 4,
+             "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64,
+             "use_sliding_window": False, "sliding_window": 64}
+
+
+@pytest.mark.parametrize("setting,reason", [
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu' (our Qwen2MoeForCausalLM code has SiLU-gated experts)"),
+    ({"num_experts": None}, "config.json lacks num_experts"),
+    ({"model_type": "qwen3_moe"}, "model_type 'qwen3_moe' (our MoE code knows Mixtral's and Qwen2-MoE's layouts)"),
+    ({"use_sliding_window": True},
+     "use_sliding_window=true without layer_types (Qwen2-MoE's own layer rule is not implemented)"),
+])
+def test_moe_settings_our_code_cannot_honour_fall_back_by_name(setting, reason):
+    assert model_class(ModelSpec.from_dicts(QWEN2_MOE)) is MoeForCausalLM
+    assert fallback_reason(ModelSpec.from_dicts({**QWEN2_MOE, **setting})) == reason
 
 
 def test_model_code_does_not_use_transformers():

@@ -59,7 +59,10 @@ class SparseMoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [N, H]
         weights, experts = self.route(x)  # [N, k] each
-        out = self.run_experts(x, weights, experts)
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():  # a CUDA graph: no host sync in it
+            out = self.run_all_experts(x, weights, experts)
+        else:
+            out = self.run_experts(x, weights, experts)
         if self.shared_expert is not None:  # its partial sum joins the experts' before the one all-reduce
             shared = linear(ops().silu_and_mul(self.shared_expert.gate_up_proj(x)), self.shared_expert.down_proj.weight)
             out = out + torch.sigmoid(linear(x, self.shared_expert_gate)) * shared
@@ -73,6 +76,7 @@ class SparseMoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return (weights if self.float32_weights else weights.to(x.dtype)), experts
 
+    @torch.compiler.disable  # option.cpu_compile: the loop's trip counts are data, a graph break
     def run_experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Each token through its k experts, the tokens grouped by expert (one GEMM pair per expert
         hit): → this rank's partial Σ weight · expert(x) [N, H], in x's dtype, experts added in order."""
@@ -91,6 +95,16 @@ class SparseMoE(nn.Module):
                 out.index_add_(0, rows, y.to(x.dtype))
                 start += count
         return out
+
+    def run_all_experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """run_experts with static shapes and no host sync, for a captured decode step (a replay must
+        follow each step's routing): every expert on every token, weighted 0 where not chosen, at
+        E/k times the FLOPs, which decode batches afford. → the same partial sum [N, H]."""
+        dense = torch.zeros(x.shape[0], self.router.shape[0], dtype=weights.dtype, device=x.device)
+        dense.scatter_(1, experts, weights)  # [N, E]
+        h = ops().silu_and_mul(torch.matmul(x, self.gate_up.transpose(1, 2)))  # [E, N, I/tp]
+        y = torch.matmul(h, self.down.transpose(1, 2)) * dense.t().unsqueeze(-1)  # [E, N, H]
+        return y.to(x.dtype).sum(dim=0)
 
     # -- loading ---------------------------------------------------------------------------------
     def load_weight(self, name: str, shape: list[int], get: SliceReader) -> bool:
