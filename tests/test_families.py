@@ -28,7 +28,8 @@ NEW_TOKENS = 12
 
 NATIVE = [("llama", "legacy"), ("llama3", "legacy"), ("llama3", "parameters"), ("mistral", "legacy"),
           ("mistral-window", "legacy"), ("qwen2", "legacy"), ("qwen2.5", "legacy"), ("qwen3", "legacy"),
-          ("phi3", "legacy"), ("phi3", "parameters"), ("gemma", "legacy"), ("gemma2", "legacy")]
+          ("phi3", "legacy"), ("phi3", "parameters"), ("gemma", "legacy"), ("gemma2", "legacy"),
+          ("mixtral", "legacy"), ("qwen2-moe", "legacy")]
 FALLBACK = [("gpt2", "legacy")]
 
 

@@ -19,7 +19,8 @@ from engines.dist import SingleProcess
 from engines.loader import build_model, checkpoint_files
 from engines.models.gemma import GemmaForCausalLM
 from engines.models.llama import LlamaForCausalLM
-from engines.models.registry import NATIVE, model_class
+from engines.models.moe import MoeForCausalLM, SparseMoE
+from engines.models.registry import NATIVE, fallback_reason, model_class
 from engines.models.spec import ModelSpec
 from engines.worker.padded_cache import GROW, PaddedKVCache
 
@@ -40,6 +41,10 @@ VARIANTS = {
     "llama-bias": ("llama", {"attention_bias": True}),  # q/k/v and o biases
     "llama-head-dim": ("llama", {"head_dim": 32}),  # head_dim != hidden / heads
     "llama-rope-theta": ("llama", {"rope_parameters": {"rope_type": "default", "rope_theta": 500.0}}),
+    "mixtral": ("mixtral", None),
+    "qwen2-moe": ("qwen2-moe", None),
+    # a dense layer (mlp_only_layers), three experts of four per token, their weights renormalised
+    "qwen2-moe-mixed": ("qwen2-moe", {"mlp_only_layers": [1], "num_experts_per_tok": 3, "norm_topk_prob": True}),
 }
 
 
@@ -123,7 +128,7 @@ def test_native_model_matches_hf_on_padded_prefill_and_decode(model_dirs, varian
     model_dir = model_dirs(variant)
     cfg = AutoConfig.from_pretrained(model_dir)
     arch, overrides = VARIANTS[variant]
-    assert cfg.model_type == arch
+    assert cfg.model_type == arch.replace("-", "_")
     for key, value in (overrides or {}).items():
         actual = getattr(cfg, key)
         assert actual == value if not isinstance(value, dict) else value.items() <= actual.items()
@@ -216,14 +221,47 @@ def spec_of(architecture: str) -> ModelSpec:
                                  "num_attention_heads": 4})
 
 
-def test_registry_maps_exactly_the_llama_family():
+def test_registry_maps_each_native_architecture_to_its_code():
     assert set(NATIVE) >= {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Phi3ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM"}
+                           "Phi3ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM", "MixtralForCausalLM",
+                           "Qwen2MoeForCausalLM"}
     for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         assert model_class(spec_of(arch)) is LlamaForCausalLM
     assert model_class(spec_of("Gemma2ForCausalLM")) is GemmaForCausalLM
     for arch in ("GPT2LMHeadModel", "llamaforcausallm", ""):
         assert model_class(spec_of(arch)) is None
+
+
+@pytest.mark.parametrize("float32_weights", [True, False])
+def test_moe_graph_safe_path_equals_the_grouped_one(float32_weights):
+    """run_all_experts (what a captured CUDA graph replays) = run_experts (eager), on CPU."""
+    g = torch.Generator().manual_seed(5)
+    moe = SparseMoE(32, 6, 2, 48, SingleProcess(), renormalize=not float32_weights, float32_weights=float32_weights)
+    for p in moe.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    x = torch.randn(9, 32, generator=g)
+    weights, experts = moe.route(x)
+    grouped, dense = moe.run_experts(x, weights, experts), moe.run_all_experts(x, weights, experts)
+    assert (grouped - dense).abs().max().item() < 1e-5
+    assert grouped.abs().max().item() > 0.1
+
+
+QWEN2_MOE = {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "hidden_size": 64,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "hidden_act": "silu", "num_experts": 4,
+             "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64,
+             "use_sliding_window": False, "sliding_window": 64}
+
+
+@pytest.mark.parametrize("setting,reason", [
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu' (our Qwen2MoeForCausalLM code has SiLU-gated experts)"),
+    ({"num_experts": None}, "config.json lacks num_experts"),
+    ({"model_type": "qwen3_moe"}, "model_type 'qwen3_moe' (our MoE code knows Mixtral's and Qwen2-MoE's layouts)"),
+    ({"use_sliding_window": True},
+     "use_sliding_window=true without layer_types (Qwen2-MoE's own layer rule is not implemented)"),
+])
+def test_moe_settings_our_code_cannot_honour_fall_back_by_name(setting, reason):
+    assert model_class(ModelSpec.from_dicts(QWEN2_MOE)) is MoeForCausalLM
+    assert fallback_reason(ModelSpec.from_dicts({**QWEN2_MOE, **setting})) == reason
 
 
 def test_model_code_does_not_use_transformers():

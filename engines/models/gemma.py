@@ -57,8 +57,10 @@ class GemmaDecoderLayer(nn.Module):
 
 
 class GemmaForCausalLM(LlamaForCausalLM):
-    layer_class = GemmaDecoderLayer
     gemma_norms = True
+
+    def make_layer(self, idx: int) -> GemmaDecoderLayer:
+        return GemmaDecoderLayer(idx, self.spec, self.rotary, self.comm)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)

@@ -30,16 +30,30 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(ops().silu_and_mul(self.gate_up_proj(x)))  # one GEMM for gate and up
 
+    def load_weight(self, proj: str, which: str, shape: list[int], get: SliceReader) -> bool:
+        """gate_proj, up_proj or down_proj (HF names) into this rank's shard; False for other names."""
+        if proj in _GATE_UP:
+            self.gate_up_proj.load_shard(_GATE_UP[proj], shape[0], get, which)
+        elif proj == "down_proj":
+            self.down_proj.load_shard(get, which)
+        else:
+            return False
+        return True
+
 
 class DecoderLayer(nn.Module):
-    def __init__(self, idx: int, spec: ModelSpec, rotary: RotaryEmbedding, comm: Communicator):
+    def __init__(self, idx: int, spec: ModelSpec, rotary: RotaryEmbedding, comm: Communicator,
+                 mlp: nn.Module | None = None, *, qkv_bias: bool | None = None):
+        """mlp, qkv_bias: another family's feed-forward block (mlp(x) → [.., hidden], all-reduced) and
+        q/k/v biases (engines/models/moe.py); by default the Llama family's."""
         super().__init__()
         is_qwen2 = spec.model_type == "qwen2"
         bias = bool(spec.config.get("attention_bias", False))
         self.self_attn = Attention(idx, spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, rotary,
-                                   comm, qkv_bias=bias or is_qwen2, o_bias=bias and not is_qwen2,
+                                   comm, qkv_bias=bias or is_qwen2 if qkv_bias is None else qkv_bias,
+                                   o_bias=bias and not is_qwen2,
                                    qk_norm_eps=spec.norm_eps if spec.model_type == "qwen3" else None)
-        self.mlp = MLP(spec.hidden_size, spec.intermediate_size, comm)
+        self.mlp = mlp if mlp is not None else MLP(spec.hidden_size, spec.intermediate_size, comm)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.norm_eps)
 
@@ -56,7 +70,6 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    layer_class = DecoderLayer  # a family with other decoder layers (Gemma) subclasses with its own
     gemma_norms = False  # the final norm in Gemma's (1 + weight) form
 
     def __init__(self, spec: ModelSpec, comm: Communicator):
@@ -66,12 +79,15 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(spec.rope, spec.rotary_dim, max(spec.max_model_len, spec.max_position_embeddings
                                                                       or 0), spec.max_position_embeddings)
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, comm)
-        self.layers = nn.ModuleList(self.layer_class(i, spec, self.rotary, comm) for i in range(spec.num_layers))
+        self.layers = nn.ModuleList(self.make_layer(i) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.norm_eps, gemma=self.gemma_norms)
         self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, comm)
         self.num_heads = self.layers[0].self_attn.num_heads  # this rank's
         self.num_kv_heads = self.layers[0].self_attn.num_kv_heads
         self.head_dim = spec.head_dim
+
+    def make_layer(self, idx: int) -> DecoderLayer:
+        return DecoderLayer(idx, self.spec, self.rotary, self.comm)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend, meta=None,
@@ -134,10 +150,8 @@ def _load_layer_weight(layer: DecoderLayer, rest: str, shape: list[int], get: Sl
         attn.qkv_proj.load_shard(part, shape[0], get, which, attn.kv_rows if part else None)
     elif owner == "self_attn" and proj == "o_proj":
         layer.self_attn.o_proj.load_shard(get, which)
-    elif owner == "mlp" and proj in _GATE_UP:
-        layer.mlp.gate_up_proj.load_shard(_GATE_UP[proj], shape[0], get, which)
-    elif owner == "mlp" and proj == "down_proj":
-        layer.mlp.down_proj.load_shard(get, which)
+    elif owner == "mlp" and isinstance(layer.mlp, MLP):
+        return layer.mlp.load_weight(proj, which, shape, get)
     elif module.endswith("layernorm") and isinstance(getattr(layer, module, None), RMSNorm):
         getattr(layer, module).weight.data.copy_(get((slice(None),)))  # Gemma-2's four norms too
     elif owner == "self_attn" and proj in ("q_norm", "k_norm") and layer.self_attn.q_norm is not None:

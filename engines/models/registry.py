@@ -41,6 +41,27 @@ def _gemma(spec: ModelSpec) -> str | None:
     return None
 
 
+# the keys our MoE code reads from config.json without a default
+_MOE_KEYS = {"mixtral": ("num_local_experts", "num_experts_per_tok"),
+             "qwen2_moe": ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                           "shared_expert_intermediate_size")}
+
+
+def _moe(spec: ModelSpec) -> str | None:
+    act = activation(spec)
+    if act != "silu":
+        return f"hidden_act {act!r} (our {spec.architecture} code has SiLU-gated experts)"
+    if spec.model_type not in _MOE_KEYS:
+        return f"model_type {spec.model_type!r} (our MoE code knows Mixtral's and Qwen2-MoE's layouts)"
+    missing = [key for key in _MOE_KEYS[spec.model_type] if spec.config.get(key) is None]
+    if missing:
+        return f"config.json lacks {', '.join(missing)}"
+    if spec.model_type == "qwen2_moe" and spec.config.get("use_sliding_window") and "layer_types" not in spec.config:
+        # transformers 5 slides even layers below max_window_layers here, not Qwen2's layers from it on
+        return "use_sliding_window=true without layer_types (Qwen2-MoE's own layer rule is not implemented)"
+    return None
+
+
 class Native(NamedTuple):
     code: str  # "module:Class" under engines.models, imported when a model is built
     check: Callable[[ModelSpec], str | None]  # a setting of the checkpoint the code does not honour
@@ -55,6 +76,8 @@ NATIVE: dict[str, Native] = {
     "Phi3ForCausalLM": Native("llama:LlamaForCausalLM", _llama),
     "GemmaForCausalLM": Native("gemma:GemmaForCausalLM", _gemma),
     "Gemma2ForCausalLM": Native("gemma:GemmaForCausalLM", _gemma),
+    "MixtralForCausalLM": Native("moe:MoeForCausalLM", _moe),
+    "Qwen2MoeForCausalLM": Native("moe:MoeForCausalLM", _moe),
 }
 
 
