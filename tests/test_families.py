@@ -147,7 +147,7 @@ def test_a_setting_our_code_cannot_honour_falls_back_by_name(setting, reason):
 
 # the native families whose heads (and KV heads, or one KV head replicated) split over two ranks
 TP2 = [("llama3", "legacy"), ("mistral-window", "legacy"), ("qwen2.5", "legacy"), ("qwen3", "legacy"),
-       ("phi3", "legacy"), ("gemma2", "legacy")]
+       ("phi3", "legacy"), ("gemma2", "legacy"), ("mixtral", "legacy"), ("qwen2-moe", "legacy")]
 
 
 def test_native_families_at_tp2_give_hf_greedy_tokens(family_dir, tmp_path):
@@ -165,7 +165,7 @@ def test_native_families_at_tp2_give_hf_greedy_tokens(family_dir, tmp_path):
         assert got[model_dir] == hf_greedy(Path(model_dir)), arch
 
 
-SPEED_FAMILIES = ["qwen3", "gemma2"]
+SPEED_FAMILIES = ["qwen3", "gemma2", "mixtral"]
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])

@@ -93,26 +93,6 @@ def test_tp2_with_compiled_decode_steps_equals_hf(tiny_model, start_server, hf):
         assert ids_of(body) == oracle(prompt, 12)
 
 
-@pytest.fixture(scope="module")
-def moe_model(tmp_path_factory):
-    """Qwen2-MoE: routed experts and a gated shared expert; a dense MLP in layer 1."""
-    out = tmp_path_factory.mktemp("tp") / "qwen2-moe"
-    make_model(str(out), arch="qwen2-moe", size="tiny", seed=21, overrides={"mlp_only_layers": [1]})
-    return out
-
-
-def test_tp2_moe_equals_hf(moe_model, start_server):
-    """Each expert's intermediate dimension split over two ranks, one all-reduce per MoE block."""
-    server = start_server(properties("lmi-dist"), moe_model)
-    wait_for(lambda: "rank 1 ready" in server.log(), 10, "rank 1's ready line")
-    oracle = hf_oracle(moe_model)
-    with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        bodies = list(pool.map(lambda p: server.post({"inputs": p, "parameters": {
-            "max_new_tokens": 12, "details": True}}).json(), PROMPTS[:3]))
-    for prompt, body in zip(PROMPTS[:3], bodies):
-        assert ids_of(body) == oracle(prompt, 12)
-
-
 def _rank_pids(launcher_pid: int) -> dict[int, int]:
     ranks = {}
     for pid in _descendants(launcher_pid):
