@@ -216,10 +216,15 @@ def spec_of(architecture: str) -> ModelSpec:
 
 
 def test_registry_maps_exactly_the_llama_family():
+    from engines.models.falcon import FalconForCausalLM
+    from engines.models.neox import GPTNeoXForCausalLM
+
     assert set(NATIVE) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Phi3ForCausalLM"}
+                           "Phi3ForCausalLM", "GPTNeoXForCausalLM", "FalconForCausalLM"}
     for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         assert model_class(spec_of(arch)) is LlamaForCausalLM
+    assert model_class(spec_of("GPTNeoXForCausalLM")) is GPTNeoXForCausalLM
+    assert model_class(spec_of("FalconForCausalLM")) is FalconForCausalLM
     for arch in ("GPT2LMHeadModel", "MixtralForCausalLM", "llamaforcausallm", ""):
         assert model_class(spec_of(arch)) is None
 

@@ -58,6 +58,22 @@ def single_rank_tokens(model_dir, kind: str, prompt: list[int], params: Sampling
     return [t for o in outputs for t in o.token_ids]
 
 
+def test_tp2_falcon_equals_hf_in_the_paged_engine(start_server, tmp_path):
+    """Falcon-40B's form at TP=2: the fused q/k/v grouped by KV head split one group per rank; biases
+    on the column-parallel q/k/v and MLP-up (sharded) and the row-parallel outputs (added once)."""
+    model_dir = tmp_path / "falcon"
+    make_model(str(model_dir), arch="falcon", size="tiny", seed=5, overrides={"bias": True})
+    server = start_server(properties("lmi-dist"), model_dir)
+    wait_for(lambda: "rank 1 ready" in server.log(), 10, "rank 1's ready line")
+    assert "loaded FalconForCausalLM (native" in server.log()
+    oracle = hf_oracle(model_dir)
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        bodies = list(pool.map(lambda p: server.post({"inputs": p, "parameters": {
+            "max_new_tokens": 16, "details": True}}).json(), PROMPTS[:3]))
+    for prompt, body in zip(PROMPTS, bodies):
+        assert ids_of(body) == oracle(prompt, 16)
+
+
 @pytest.mark.parametrize("rolling_batch", list(ENGINES))
 def test_tp2_equals_tp1_token_for_token(model, rolling_batch, start_server):
     server = start_server(properties(rolling_batch), model)
