@@ -29,7 +29,8 @@ NEW_TOKENS = 12
 NATIVE = [("llama", "legacy"), ("llama3", "legacy"), ("llama3", "parameters"), ("mistral", "legacy"),
           ("mistral-window", "legacy"), ("qwen2", "legacy"), ("qwen2.5", "legacy"), ("qwen3", "legacy"),
           ("phi3", "legacy"), ("phi3", "parameters"), ("gemma", "legacy"), ("gemma2", "legacy"),
-          ("mixtral", "legacy"), ("qwen2-moe", "legacy")]
+          ("mixtral", "legacy"), ("qwen2-moe", "legacy"), ("falcon", "legacy"), ("falcon", "parameters"),
+          ("falcon-7b", "legacy"), ("neox", "legacy"), ("neox", "parameters")]
 FALLBACK = [("gpt2", "legacy")]
 
 
@@ -93,6 +94,24 @@ def test_native_families_give_hf_greedy_tokens_in_both_engines(family_dir, arch,
     assert engine_greedy(model_dir, "rolling") == expected
 
 
+# the other layers of the NeoX decoder: sequential blocks, per-head q/k/v, biases, one norm, ties, GeLU forms
+VARIANTS = {
+    "falcon-sequential": ("falcon-7b", {"parallel_attn": False, "multi_query": False, "bias": True}),
+    "falcon-one-norm": ("falcon", {"num_ln_in_parallel_attn": 1, "tie_word_embeddings": True}),
+    "neox-sequential": ("neox", {"use_parallel_residual": False, "hidden_act": "gelu_new", "rotary_pct": 0.5}),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_falcon_and_neox_variants_give_hf_greedy_tokens(tmp_path, variant):
+    arch, overrides = VARIANTS[variant]
+    make_model(str(tmp_path), arch=arch, size="tiny", seed=11, overrides=overrides, rope_form="legacy")
+    assert fallback_reason(ModelSpec.read(str(tmp_path))) is None
+    expected = hf_greedy(tmp_path)
+    assert all(len(ids) == NEW_TOKENS for ids in expected)
+    assert engine_greedy(tmp_path, "paged") == expected
+
+
 @pytest.mark.parametrize("arch,rope_form", FALLBACK, ids=[a for a, _ in FALLBACK])
 def test_other_families_run_on_the_fallback_by_name_and_right(family_dir, arch, rope_form):
     model_dir = family_dir(arch, rope_form)
@@ -145,14 +164,50 @@ def test_a_setting_our_code_cannot_honour_falls_back_by_name(setting, reason):
     assert fallback_reason(ModelSpec.from_dicts({**cfg, **setting}, max_model_len=1024)) == reason
 
 
+@pytest.mark.parametrize("arch,setting,reason", [
+    ("FalconForCausalLM", {"alibi": True}, "alibi=true (ALiBi position biases: our attention backends have none)"),
+    ("FalconForCausalLM", {"new_decoder_architecture": True, "parallel_attn": False},
+     "new_decoder_architecture with parallel_attn=false (a layer transformers' Falcon does not define)"),
+    ("FalconForCausalLM", {"activation": "relu"}, "hidden_act 'relu' (our FalconForCausalLM code has GeLU MLPs)"),
+    ("GPTNeoXForCausalLM", {"hidden_act": "silu"}, "hidden_act 'silu' (our GPTNeoXForCausalLM code has GeLU MLPs)"),
+])
+def test_falcon_and_neox_settings_our_code_cannot_honour_fall_back_by_name(arch, setting, reason):
+    cfg = {"architectures": [arch], "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
+    assert fallback_reason(ModelSpec.from_dicts(cfg)) is None
+    assert fallback_reason(ModelSpec.from_dicts({**cfg, **setting})) == reason
+
+
+def test_hub_falcon_and_pythia_configs_read_with_their_config_classes_defaults():
+    """Keys the hub configs leave out take the transformers config classes' defaults: Falcon-7B's
+    (`n_head`, no `num_kv_heads` read: one KV head; tied head), Pythia's (no `rotary_pct` → 1/4)."""
+    falcon = ModelSpec.from_dicts({"architectures": ["FalconForCausalLM"], "model_type": "falcon", "hidden_size": 4544,
+                                   "n_head": 71, "n_layer": 32, "multi_query": True, "parallel_attn": True})
+    assert (falcon.num_kv_heads, falcon.head_dim, falcon.rotary_dim) == (1, 64, 64)
+    assert falcon.tie_word_embeddings and falcon.norm_eps == 1e-5 and falcon.intermediate_size == 4 * 4544
+    falcon_40b = ModelSpec.from_dicts({"architectures": ["FalconForCausalLM"], "model_type": "falcon",
+                                       "hidden_size": 8192, "n_head": 128, "n_head_kv": 8, "n_layer": 60,
+                                       "new_decoder_architecture": True, "layer_norm_epsilon": 1e-5})
+    assert (falcon_40b.num_kv_heads, falcon_40b.head_dim) == (8, 64)
+    pythia = ModelSpec.from_dicts({"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox",
+                                   "hidden_size": 512, "num_attention_heads": 8, "num_hidden_layers": 6,
+                                   "rotary_emb_base": 10000, "intermediate_size": 2048})
+    assert (pythia.rotary_dim, pythia.rope.theta, pythia.norm_eps, pythia.tie_word_embeddings) == (16, 10000.0, 1e-5,
+                                                                                                 False)
+
+
 # the native families whose heads (and KV heads, or one KV head replicated) split over two ranks
 TP2 = [("llama3", "legacy"), ("mistral-window", "legacy"), ("qwen2.5", "legacy"), ("qwen3", "legacy"),
-       ("phi3", "legacy"), ("gemma2", "legacy"), ("mixtral", "legacy"), ("qwen2-moe", "legacy")]
+       ("phi3", "legacy"), ("gemma2", "legacy"), ("mixtral", "legacy"), ("qwen2-moe", "legacy"),
+       ("falcon", "legacy"), ("falcon-7b", "legacy"), ("neox", "legacy")]
 
 
 def test_native_families_at_tp2_give_hf_greedy_tokens(family_dir, tmp_path):
-    """One `mpirun -np 2` runs the paged engine at TP=2 on every family in turn (tests/tp_families.py)."""
-    dirs = [str(family_dir(arch, form)) for arch, form in TP2]
+    """One `mpirun -np 2` runs the paged engine at TP=2 on every family in turn (tests/tp_families.py).
+    Falcon-40B's form with biases too: the q/k/v groups split one KV head per rank, the column-
+    parallel biases sharded, the row-parallel ones added once."""
+    biased = tmp_path / "falcon-bias"
+    make_model(str(biased), arch="falcon", size="tiny", seed=5, overrides={"bias": True})
+    dirs = [str(family_dir(arch, form)) for arch, form in TP2] + [str(biased)]
     job, out = tmp_path / "job.json", tmp_path / "out.json"
     job.write_text(json.dumps({"prompts": PROMPTS, "new_tokens": NEW_TOKENS}))
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -161,11 +216,11 @@ def test_native_families_at_tp2_give_hf_greedy_tokens(family_dir, tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(out.read_text())
-    for (arch, _), model_dir in zip(TP2, dirs):
+    for arch, model_dir in zip([a for a, _ in TP2] + ["falcon-bias"], dirs):
         assert got[model_dir] == hf_greedy(Path(model_dir)), arch
 
 
-SPEED_FAMILIES = ["qwen3", "gemma2", "mixtral"]
+SPEED_FAMILIES = ["qwen3", "gemma2", "mixtral", "neox"]
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])

@@ -222,12 +222,17 @@ def spec_of(architecture: str) -> ModelSpec:
 
 
 def test_registry_maps_each_native_architecture_to_its_code():
-    assert set(NATIVE) >= {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+    from engines.models.falcon import FalconForCausalLM
+    from engines.models.neox import GPTNeoXForCausalLM
+
+    assert set(NATIVE) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Phi3ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM", "MixtralForCausalLM",
-                           "Qwen2MoeForCausalLM"}
+                           "Qwen2MoeForCausalLM", "GPTNeoXForCausalLM", "FalconForCausalLM"}
     for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         assert model_class(spec_of(arch)) is LlamaForCausalLM
     assert model_class(spec_of("Gemma2ForCausalLM")) is GemmaForCausalLM
+    assert model_class(spec_of("GPTNeoXForCausalLM")) is GPTNeoXForCausalLM
+    assert model_class(spec_of("FalconForCausalLM")) is FalconForCausalLM
     for arch in ("GPT2LMHeadModel", "llamaforcausallm", ""):
         assert model_class(spec_of(arch)) is None
 

@@ -62,6 +62,28 @@ def _moe(spec: ModelSpec) -> str | None:
     return None
 
 
+# the GeLUs of the NeoX and Falcon families → torch's gelu(approximate=...): gelu_new and gelu_fast are
+# the tanh form written out (the same function up to rounding)
+GELU_APPROXIMATE = {"gelu": "none", "gelu_pytorch_tanh": "tanh", "gelu_new": "tanh", "gelu_fast": "tanh"}
+
+
+def _gelu(act: str, spec: ModelSpec) -> str | None:
+    return None if act in GELU_APPROXIMATE else f"hidden_act {act!r} (our {spec.architecture} code has GeLU MLPs)"
+
+
+def _neox(spec: ModelSpec) -> str | None:
+    return _gelu(activation(spec, "gelu"), spec)
+
+
+def _falcon(spec: ModelSpec) -> str | None:
+    cfg = spec.config
+    if cfg.get("alibi"):
+        return "alibi=true (ALiBi position biases: our attention backends have none)"
+    if cfg.get("new_decoder_architecture") and cfg.get("parallel_attn") is False:
+        return "new_decoder_architecture with parallel_attn=false (a layer transformers' Falcon does not define)"
+    return _gelu(cfg.get("activation") or "gelu", spec)
+
+
 class Native(NamedTuple):
     code: str  # "module:Class" under engines.models, imported when a model is built
     check: Callable[[ModelSpec], str | None]  # a setting of the checkpoint the code does not honour
@@ -78,6 +100,8 @@ NATIVE: dict[str, Native] = {
     "Gemma2ForCausalLM": Native("gemma:GemmaForCausalLM", _gemma),
     "MixtralForCausalLM": Native("moe:MoeForCausalLM", _moe),
     "Qwen2MoeForCausalLM": Native("moe:MoeForCausalLM", _moe),
+    "GPTNeoXForCausalLM": Native("neox:GPTNeoXForCausalLM", _neox),
+    "FalconForCausalLM": Native("falcon:FalconForCausalLM", _falcon),
 }
 
 

@@ -88,7 +88,7 @@ class ModelSpec(msgspec.Struct, frozen=True):
     def from_dicts(cls, cfg: dict, generation: dict | None = None, max_model_len: int | None = None) -> "ModelSpec":
         cfg = {**cfg, **(cfg.get("text_config") or {})}
         generation = generation or {}
-        hidden = _first(cfg, "hidden_size", "n_embd", "d_model")
+        hidden = _first(cfg, "hidden_size", "n_embd", "n_embed", "d_model")
         layers = _first(cfg, "num_hidden_layers", "n_layer", "num_layers")
         heads = _first(cfg, "num_attention_heads", "n_head")
         if not all(isinstance(v, int) for v in (hidden, layers, heads)):
@@ -101,7 +101,7 @@ class ModelSpec(msgspec.Struct, frozen=True):
         rope, local_rope = _rope(cfg)
         params = cfg.get("rope_parameters") or {}
         partial = _first(params.get(FULL, params), "partial_rotary_factor") or \
-            _first(cfg, "partial_rotary_factor", "rotary_pct", default=1.0)
+            _first(cfg, "partial_rotary_factor", "rotary_pct", default=_DEFAULT_ROTARY.get(cfg.get("model_type"), 1.0))
         declared = _first(cfg, "max_position_embeddings", "n_positions", "max_sequence_length", "seq_length",
                           default=None)
         declared = declared if isinstance(declared, int) else None
@@ -122,7 +122,7 @@ class ModelSpec(msgspec.Struct, frozen=True):
             attn_logit_softcap=cfg.get("attn_logit_softcapping"),
             final_logit_softcap=cfg.get("final_logit_softcapping"),
             norm_eps=float(_first(cfg, "rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_epsilon",
-                                  default=1e-6)),
+                                  default=_DEFAULT_NORM_EPS.get(cfg.get("model_type"), 1e-6))),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", cfg.get("model_type") in _TIED_BY_DEFAULT)),
             eos_token_ids=eos or _ids(cfg.get("eos_token_id")),
             bos_token_id=_first(generation, "bos_token_id", default=cfg.get("bos_token_id")),
@@ -135,7 +135,10 @@ class ModelSpec(msgspec.Struct, frozen=True):
         return float(self.config.get("query_pre_attn_scalar") or self.head_dim) ** -0.5
 
 
-_TIED_BY_DEFAULT = {"gemma", "gemma2", "gemma3_text", "gpt2"}  # families whose config class defaults to tying
+_TIED_BY_DEFAULT = {"gemma", "gemma2", "gemma3_text", "gpt2", "falcon"}  # families whose config class defaults to tying
+# the config classes' defaults where config.json leaves the key out
+_DEFAULT_ROTARY = {"gpt_neox": 0.25}  # GPT-NeoX's rotary_pct
+_DEFAULT_NORM_EPS = {"gpt_neox": 1e-5, "falcon": 1e-5}  # their LayerNorms' eps
 
 
 def _first(cfg: dict, *keys: str, default=None):
