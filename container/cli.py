@@ -140,8 +140,7 @@ def cmd_plan(args) -> int:
         if machine is None:
             raise ValueError("this machine's GPU memory is unknown: give --instance or --gpus N --gpu-memory GiB")
     kind = cfgmod.select_engine(resolved, spec)
-    fallback = cfgmod.fallback_reason(resolved, spec)
-    print(f"model code: {'the transformers fallback (' + fallback + ')' if fallback else 'native'}; engine: {kind}",
+    print(f"model code: {cfgmod.model_code(resolved, spec)}; engine: {kind}",
           file=sys.stderr if args.json else sys.stdout)
     result = plan(shape, machine, planner.workload(resolved, shape, machine, kind, prompt_tokens=args.prompt_tokens,
                                                    output_tokens=args.output_tokens))

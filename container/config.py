@@ -181,7 +181,9 @@ def _check_static_contradictions(cfg: ResolvedConfig) -> None:
 
 def select_engine(cfg: ResolvedConfig, spec: ModelSpec | None) -> str:
     """DJL's rules: batch_size>1 or disable → dynamic; scheduler → padded; lmi-dist → paged;
-    auto → paged unless paged_attention=false or the model runs only on the HF fallback path."""
+    auto → paged unless paged_attention=false or the model cannot use our paged KV cache (a fallback
+    architecture whose attention does not go through transformers' attention interface, or
+    trust_remote_code)."""
     rb = cfg["option.rolling_batch"]
     if rb == "disable" or cfg["batch_size"] > 1:
         return ENGINE_DYNAMIC
@@ -192,9 +194,27 @@ def select_engine(cfg: ResolvedConfig, spec: ModelSpec | None) -> str:
         return ENGINE_PAGED
     if rb == "lmi-dist":
         return ENGINE_PAGED
-    if not cfg["option.paged_attention"] or fallback_reason(cfg, spec):
+    if not cfg["option.paged_attention"] or not pages_kv(cfg, spec):
         return ENGINE_ROLLING
     return ENGINE_PAGED
+
+
+def pages_kv(cfg: ResolvedConfig, spec: ModelSpec | None) -> bool:
+    """Whether the model can run on our paged KV cache: our model code, or transformers' whose
+    attention goes through transformers' attention interface (never a checkpoint's own code)."""
+    if cfg["option.trust_remote_code"]:
+        return False
+    return spec is None or registry.fallback_reason(spec) is None or registry.paged_fallback(spec)
+
+
+def model_code(cfg: ResolvedConfig, spec: ModelSpec | None) -> str:
+    """What runs the model, in words (the start log and `lmi plan`)."""
+    fallback = fallback_reason(cfg, spec)
+    if not fallback:
+        return "native"
+    if pages_kv(cfg, spec):
+        return f"the transformers fallback, its attention on our KV cache ({fallback})"
+    return f"the transformers fallback with transformers' own KV cache, padded ({fallback})"
 
 
 def fallback_reason(cfg: ResolvedConfig, spec: ModelSpec | None) -> str | None:
@@ -225,7 +245,7 @@ def build(cfg: ResolvedConfig, *, local_dir: str, spec: ModelSpec | None,
     kind = select_engine(cfg, spec)
     fallback = fallback_reason(cfg, spec)
     if fallback and kind != ENGINE_DYNAMIC:
-        log.info("model code: the transformers fallback in the padded engine (%s)", fallback)
+        log.info("model code: %s; engine: %s", model_code(cfg, spec), kind)
     tp = resolve_tensor_parallel(cfg, num_gpus, num_cpus)
     use_mpi = cfg["engine"] == "MPI"
     if tp > 1 and kind != ENGINE_DYNAMIC and not cfg.is_set("engine"):

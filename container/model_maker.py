@@ -20,6 +20,9 @@ SIZES = {
                  intermediate_size=128, max_position_embeddings=1024),
     "small": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
                   intermediate_size=3072, max_position_embeddings=2048),
+    # the families benchmark's shape (benchmarks/families.py): big enough that the layers, not Python, take the time
+    "mini": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                 intermediate_size=1024, max_position_embeddings=2048),
     # 1.01 B parameters (2.0 GB in bf16): the loading benchmark's model
     "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
                intermediate_size=8192, max_position_embeddings=2048),
@@ -58,6 +61,10 @@ FAMILIES = {
     "qwen2-moe": ("Qwen2MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
                                      "shared_expert_intermediate_size": 96, "norm_topk_prob": False}),
     "gpt2": ("GPT2Config", {}),
+    # two more the fallback serves: OPT through transformers' attention interface (our paged KV),
+    # BLOOM (ALiBi) with transformers' own cache in the padded engine
+    "opt": ("OPTConfig", {}),
+    "bloom": ("BloomConfig", {}),
 }
 ARCHITECTURES = tuple(FAMILIES)
 VOCAB_SIZE = 1024
@@ -112,7 +119,16 @@ def model_config(arch: str, size: str, tokenizer, overrides: dict | None = None)
     cls = getattr(transformers, class_name)
     if arch == "gpt2":
         return cls(n_embd=shape["hidden_size"], n_layer=shape["num_hidden_layers"], n_head=shape["num_attention_heads"],
-                   n_inner=shape["intermediate_size"], n_positions=shape["max_position_embeddings"], **common)
+                   n_inner=shape["intermediate_size"], n_positions=shape["max_position_embeddings"],
+                   **{**common, **(overrides or {})})
+    if arch == "opt":
+        return cls(hidden_size=shape["hidden_size"], num_hidden_layers=shape["num_hidden_layers"],
+                   num_attention_heads=shape["num_attention_heads"], ffn_dim=shape["intermediate_size"],
+                   max_position_embeddings=shape["max_position_embeddings"], word_embed_proj_dim=shape["hidden_size"],
+                   **common)
+    if arch == "bloom":
+        return cls(hidden_size=shape["hidden_size"], n_layer=shape["num_hidden_layers"],
+                   n_head=shape["num_attention_heads"], **common)
     settings = {**shape, **common, **family, **(overrides or {})}
     if class_name in ("FalconConfig", "GPTNeoXConfig"):
         settings.pop("num_key_value_heads")

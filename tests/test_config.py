@@ -135,7 +135,10 @@ CASES = [
     case("sel-auto-qwen2", {}, {}, engine="paged", arch="Qwen2ForCausalLM"),
     case("sel-auto-unknown-arch", {}, {}, engine="paged", arch=None),
     case("sel-auto-no-paged", {"option.paged_attention": "false"}, {}, engine="rolling"),
-    case("sel-auto-gpt2", {}, {}, engine="rolling", arch="GPT2LMHeadModel"),
+    # the fallback: GPT-2's attention goes through transformers' attention interface (our paged KV); BLOOM's does not
+    case("sel-auto-gpt2", {}, {}, engine="paged", arch="GPT2LMHeadModel"),
+    case("sel-auto-bloom", {}, {}, engine="rolling", arch="BloomForCausalLM"),
+    case("sel-auto-gpt2-trust", {"option.trust_remote_code": "true"}, {}, engine="rolling", arch="GPT2LMHeadModel"),
     case("sel-auto-trust", {"option.trust_remote_code": "true"}, {}, engine="rolling"),
     case("sel-auto-trust-no-arch", {"option.trust_remote_code": "true"}, {}, engine="rolling", arch=None),
     case("sel-scheduler-paged-default", {"option.rolling_batch": "scheduler"}, {},
@@ -331,8 +334,9 @@ def _run(props, env, expect):
 
 def spec_of(architecture: str | None) -> ModelSpec | None:
     """A checkpoint of that architecture (None: not known before download)."""
-    return architecture and ModelSpec.from_dicts({"architectures": [architecture], "hidden_size": 64,
-                                                  "num_hidden_layers": 2, "num_attention_heads": 4})
+    model_type = {"GPT2LMHeadModel": "gpt2", "BloomForCausalLM": "bloom"}.get(architecture, "")
+    return architecture and ModelSpec.from_dicts({"architectures": [architecture], "model_type": model_type,
+                                                  "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4})
 
 
 @pytest.mark.parametrize("props, env, expect", CASES)

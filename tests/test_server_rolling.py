@@ -171,9 +171,10 @@ def test_hf_fallback_path_with_gpt2_equals_hf_generate(tmp_path, start_server):
     oracle = hf_oracle(model_dir)
     srv = start_server(PROPERTIES, model_dir)
     log = srv.log()
-    assert ("model code: the transformers fallback in the padded engine (no native implementation of "
-            "GPT2LMHeadModel)") in log
-    assert "loaded GPT2LMHeadModel (the transformers fallback: no native implementation of GPT2LMHeadModel" in log
+    assert ("model code: the transformers fallback, its attention on our KV cache (no native implementation of "
+            "GPT2LMHeadModel); engine: rolling") in log
+    assert ("loaded GPT2LMHeadModel (the transformers fallback on our KV cache: no native implementation of "
+            "GPT2LMHeadModel") in log
 
     def send(i):
         time.sleep(0.03 * i)

@@ -9,7 +9,10 @@ we implement that meets a setting our code cannot honour falls back by name, nev
 
 from __future__ import annotations
 
+import functools
 import importlib
+import importlib.util
+import os
 from typing import Callable, NamedTuple
 
 from engines.models.spec import ModelSpec
@@ -120,6 +123,30 @@ def fallback_reason(spec: ModelSpec) -> str | None:
             return (f"rope_type 'dynamic' past max_position_embeddings={spec.max_position_embeddings} (max_model_len "
                     f"{spec.max_model_len}): transformers rescales its base with each sequence's length")
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def attention_interface_supported(model_type: str) -> bool:
+    """Whether transformers' model code for `model_type` routes its attention through transformers'
+    attention interface (its PreTrainedModel declares `_supports_attention_backend = True`): then the
+    fallback runs with our KV cache in the paged engine (engines/worker/hf_paged.py). Read from the
+    installed transformers' source, so the launcher imports neither transformers nor torch."""
+    found = importlib.util.find_spec("transformers")
+    if found is None or not found.submodule_search_locations or not model_type:
+        return False
+    name = model_type.replace("-", "_")
+    path = os.path.join(found.submodule_search_locations[0], "models", name, f"modeling_{name}.py")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return "_supports_attention_backend = True" in f.read()
+    except OSError:
+        return False
+
+
+def paged_fallback(spec: ModelSpec) -> bool:
+    """A checkpoint on the fallback runs transformers' model on our paged KV cache when its attention
+    goes through transformers' attention interface; otherwise transformers' own cache, padded."""
+    return fallback_reason(spec) is not None and attention_interface_supported(spec.model_type)
 
 
 def model_class(spec: ModelSpec):

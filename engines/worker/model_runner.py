@@ -1,7 +1,9 @@
 """Runs prefill and decode forwards over a PaddedKVCache, on our model code or the HF fallback.
 
-The strategy (native or HF) is chosen once at load: native for the architectures in the registry
-(any TP degree), `AutoModelForCausalLM` with its own past key values for the rest (TP 1 only).
+The strategy is chosen once at load: native for the architectures in the registry (any TP degree);
+else `AutoModelForCausalLM` (TP 1 only), its attention through our KV cache backends where its
+modeling code goes through transformers' attention interface (engines/worker/hf_paged.py: the
+paged engine can then run it), with its own past key values otherwise (the padded engine only).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from engines.layers.fused import FusedOps
 from engines.layers.linear import choose_cpu_matmul
 from engines.loader import build_model, parameter_bytes, torch_dtype
 from engines.startup import TIMELINE, throughput
-from engines.models.registry import fallback_reason, model_class
+from engines.models.registry import fallback_reason, model_class, paged_fallback
 from engines.models.spec import ModelSpec
 from engines.worker.padded_cache import GROW, PaddedKVCache
 
@@ -36,7 +38,8 @@ class ModelRunner:
         self.comm = comm or SingleProcess()
         self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.model = None
-        self.is_native = False
+        self.is_native = False  # our model code
+        self.owns_kv = False  # the model attends through our KV backends (ours, or HF's via hf_paged)
         self.layer_options: list[LayerOptions] | None = None  # how each layer attends (native models)
 
     def load(self) -> None:
@@ -49,22 +52,23 @@ class ModelRunner:
                                      load_cache_dir=self.config.load_cache_dir)
             self.num_layers = spec.num_layers
             self.num_kv_heads, self.head_dim = self.model.num_kv_heads, self.model.head_dim
-            self.layer_options = [LayerOptions(spec.attention_scale, window, spec.attn_logit_softcap)
-                                  for window in spec.sliding_windows]
-            self.is_native = True
+            self.layer_options = self._layer_options()
+            self.is_native = self.owns_kv = True
             if self.device.type == "cpu" and self.dtype == torch.bfloat16:
                 self._choose_cpu_matmul(spec)
             FusedOps.use_triton(self.device.type == "cuda" and triton_runs(self.device))
             log.info("fused ops (residual add + RMSNorm, rotary, SiLU x mul): %s",
                      "Triton kernels" if FusedOps.is_triton() else "PyTorch")
+        elif not self.config.trust_remote_code and paged_fallback(spec):
+            self._load_hf(on_our_kv=True)
         else:
             self._load_hf()
         self.eos_token_ids = frozenset(spec.eos_token_ids)
         self.pad_token_id = spec.pad_token_id if spec.pad_token_id is not None else 0
         elapsed = time.perf_counter() - started
         why = "option.trust_remote_code=true" if self.config.trust_remote_code else fallback_reason(spec)
-        log.info("loaded %s (%s, %s) in %.1f s", spec.architecture,
-                 "native" if self.is_native else f"the transformers fallback: {why}", self.dtype, elapsed)
+        how = "native" if self.is_native else f"the transformers fallback{' on our KV cache' if self.owns_kv else ''}: {why}"
+        log.info("loaded %s (%s, %s) in %.1f s", spec.architecture, how, self.dtype, elapsed)
         TIMELINE.record("weight_load", elapsed, throughput(self.weight_bytes, elapsed))
         self.comm.barrier()  # every rank holds its shard before anyone serves
 
@@ -76,16 +80,33 @@ class ModelRunner:
                  "upcast to float32)", "upcast to float32" if upcast else "native bf16", spec.hidden_size,
                  spec.hidden_size, spec.intermediate_size, native, up)
 
-    def _load_hf(self) -> None:
+    def _layer_options(self) -> list[LayerOptions]:
+        spec = self.spec
+        return [LayerOptions(spec.attention_scale, window, spec.attn_logit_softcap) for window in spec.sliding_windows]
+
+    def _load_hf(self, on_our_kv: bool = False) -> None:
+        """on_our_kv: transformers' model with its attention through our backends (hf_paged)."""
         from transformers import AutoModelForCausalLM
 
         if self.comm.world_size > 1:
             raise ValueError("the HF fallback path runs at tensor_parallel_degree=1 only")
-        self.model = AutoModelForCausalLM.from_pretrained(
+        extra = {}
+        if on_our_kv:
+            from engines.worker import hf_paged
+
+            hf_paged.register()
+            extra["attn_implementation"] = hf_paged.ATTN_IMPLEMENTATION
+        model = AutoModelForCausalLM.from_pretrained(
             self.config.local_dir, dtype=self.dtype, trust_remote_code=self.config.trust_remote_code,
-            use_safetensors=True).to(self.device).eval()
+            use_safetensors=True, **extra).to(self.device).eval()
         self.num_layers, self.num_kv_heads, self.head_dim = self.spec.num_layers, self.spec.num_kv_heads, \
             self.spec.head_dim
+        if on_our_kv:
+            self.model = hf_paged.HFPagedModel(model, self.spec)
+            self.layer_options = self.model.layers  # what transformers' attention asks for, layer by layer
+            self.owns_kv = True
+        else:
+            self.model = model
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -143,7 +164,7 @@ class ModelRunner:
         positions = (cols - cache.pads.view(-1, 1)).clamp(min=0)  # [B, T]
         cache.begin_forward(t)
         try:
-            if self.is_native:
+            if self.owns_kv:
                 return self.model(ids, positions, cache, None, logits_index)
             return self._hf_forward(cache, ids, positions, logits_index)
         finally:

@@ -64,7 +64,7 @@ class PagedEngine(EngineLoop):
         with TIMELINE.phase("warm_up_buckets" if decode_mode == DECODE_EAGER else f"warm_up_buckets_{decode_mode}"):
             self.paged.call(WarmUpBuckets())
         log.info("decode steps: %s (%s)", decode_mode, why)
-        windows = self.runner.spec.sliding_windows
+        windows = [opts.window for opts in self.runner.layer_options]  # as the backends apply them
         # every layer sliding: blocks behind the widest window go back to the pool as requests decode
         self.blocks = BlockManager(num_blocks, block_size, sched.enable_prefix_caching,
                                    max(windows) if windows and all(windows) else None)
@@ -105,6 +105,8 @@ class PagedEngine(EngineLoop):
         sched = self.config.scheduler
         if sched.enforce_eager:
             return DECODE_EAGER, "option.enforce_eager=true"
+        if not self.runner.is_native:
+            return DECODE_EAGER, "the transformers fallback runs eagerly"
         if self.runner.device.type == "cuda":
             if self.comm.world_size > 1:  # the collectives inside the step are not captured
                 return DECODE_EAGER, "CUDA graphs are captured at tensor_parallel_degree=1 only"

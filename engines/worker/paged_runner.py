@@ -30,6 +30,7 @@ import torch
 
 from engines.attention.base import AttentionBackend, ForwardBatch, SeqChunk, select_backend
 from engines.core.plan import StepPlan
+from engines.models.registry import fallback_reason
 from engines.worker.model_runner import ModelRunner
 from engines.worker.sampler import SampleResult, Sampler, prompt_logprobs
 from engines.worker.step_buffers import StepBuffers
@@ -64,9 +65,11 @@ class PagedRunner:
     """Every public method is a step operation (rank 0 mirrors it to the other ranks)."""
 
     def __init__(self, runner: ModelRunner):
-        if not runner.is_native:
-            raise ValueError("the paged engine needs a natively implemented architecture (Llama, Mistral, Qwen2); "
-                             "use option.rolling_batch=scheduler for others")
+        if not runner.owns_kv:
+            raise ValueError(f"the paged engine needs our model code or a transformers model whose attention goes "
+                             f"through transformers' attention interface, and {runner.spec.architecture} has neither "
+                             f"here ({fallback_reason(runner.spec) or 'option.trust_remote_code=true'}); "
+                             "use option.rolling_batch=scheduler")
         self.runner = runner
         self.backend: AttentionBackend | None = None
         self.buffers: StepBuffers | None = None
