@@ -204,7 +204,11 @@ def pages_kv(cfg: ResolvedConfig, spec: ModelSpec | None) -> bool:
     attention goes through transformers' attention interface (never a checkpoint's own code)."""
     if cfg["option.trust_remote_code"]:
         return False
-    return spec is None or registry.fallback_reason(spec) is None or registry.paged_fallback(spec)
+    if spec is None:
+        return True
+    if cfg["option.model_impl"] == "transformers":
+        return registry.attention_interface_supported(spec.model_type)
+    return registry.fallback_reason(spec) is None or registry.paged_fallback(spec)
 
 
 def model_code(cfg: ResolvedConfig, spec: ModelSpec | None) -> str:
@@ -222,6 +226,8 @@ def fallback_reason(cfg: ResolvedConfig, spec: ModelSpec | None) -> str | None:
     checkpoint is not known before download)."""
     if cfg["option.trust_remote_code"]:
         return "option.trust_remote_code=true runs the checkpoint's own code"
+    if cfg["option.model_impl"] == "transformers":
+        return "option.model_impl=transformers"
     return None if spec is None else registry.fallback_reason(spec)
 
 
@@ -244,6 +250,9 @@ def build(cfg: ResolvedConfig, *, local_dir: str, spec: ModelSpec | None,
     """The typed configuration the engine and HTTP workers run with."""
     kind = select_engine(cfg, spec)
     fallback = fallback_reason(cfg, spec)
+    if fallback and cfg["option.model_impl"] == "native":
+        raise ConfigError(f"option.model_impl=native: {spec.architecture if spec else 'this model'} cannot run on "
+                          f"our model code ({fallback}); use option.model_impl=auto for the transformers fallback")
     if fallback and kind != ENGINE_DYNAMIC:
         log.info("model code: %s; engine: %s", model_code(cfg, spec), kind)
     tp = resolve_tensor_parallel(cfg, num_gpus, num_cpus)
@@ -264,6 +273,7 @@ def build(cfg: ResolvedConfig, *, local_dir: str, spec: ModelSpec | None,
     dtype = cfg["option.dtype"] or ("fp16" if num_gpus else "bf16")
     model = ModelConfig(local_dir=local_dir, model_id=cfg["option.model_id"], revision=cfg["option.revision"],
                         dtype=dtype, trust_remote_code=cfg["option.trust_remote_code"],
+                        model_impl=cfg["option.model_impl"],
                         max_model_len=cfg["option.max_model_len"], quantize=cfg["option.quantize"],
                         load_cache_dir=cfg["option.load_cache_dir"])
     scheduler = SchedulerConfig(

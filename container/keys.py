@@ -127,6 +127,9 @@ KEYS: tuple[Key, ...] = (
     Key("option.max_rolling_batch_prefill_tokens", integer(1), 1024, "max_num_batched_tokens per step"),
     Key("option.max_model_len", integer(1), None, "prompt + new tokens limit (default: the model's)"),
     Key("option.trust_remote_code", boolean, False, "allow the checkpoint's own modeling code (HF fallback path)"),
+    Key("option.model_impl", choice("auto", "native", "transformers"), "auto",
+        "model code (vLLM's --model-impl): ours where we implement the architecture (auto), ours or refuse to "
+        "start (native), or transformers' (its attention on our KV cache where its code allows)"),
     Key("option.output_formatter", choice("json", "jsonlines", "sse"), "json", "response format"),
     Key("option.model_loading_timeout", integer(1), 1800, "seconds the engine may take to become ready"),
     Key("option.predict_timeout", integer(1), 240, "seconds one engine step may take"),

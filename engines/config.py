@@ -24,6 +24,7 @@ class ModelConfig(msgspec.Struct, frozen=True):
     revision: str | None = None
     dtype: str = "fp32"  # fp32 | fp16 | bf16 | auto (= the checkpoint's torch_dtype)
     trust_remote_code: bool = False
+    model_impl: str = "auto"  # auto | native | transformers (option.model_impl)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     quantize: str | None = None
     load_cache_dir: str | None = None  # a load-optimised copy of each rank's weights (engines/load_cache.py)

@@ -139,6 +139,14 @@ CASES = [
     case("sel-auto-gpt2", {}, {}, engine="paged", arch="GPT2LMHeadModel"),
     case("sel-auto-bloom", {}, {}, engine="rolling", arch="BloomForCausalLM"),
     case("sel-auto-gpt2-trust", {"option.trust_remote_code": "true"}, {}, engine="rolling", arch="GPT2LMHeadModel"),
+    # option.model_impl (vLLM's --model-impl): transformers' model on our paged KV where its attention allows
+    case("impl-transformers-llama", {"option.model_impl": "transformers"}, {}, engine="paged",
+         arch="LlamaForCausalLM"),
+    case("impl-transformers-bloom", {"option.model_impl": "transformers"}, {}, engine="rolling",
+         arch="BloomForCausalLM"),
+    case("impl-native-gpt2", {"option.model_impl": "native"}, {}, arch="GPT2LMHeadModel", build=CPU2,
+         error=["option.model_impl=native", "GPT2LMHeadModel", "no native implementation of GPT2LMHeadModel"]),
+    case("impl-bad", {"option.model_impl": "vllm"}, {}, error=["option.model_impl", "vllm"]),
     case("sel-auto-trust", {"option.trust_remote_code": "true"}, {}, engine="rolling"),
     case("sel-auto-trust-no-arch", {"option.trust_remote_code": "true"}, {}, engine="rolling", arch=None),
     case("sel-scheduler-paged-default", {"option.rolling_batch": "scheduler"}, {},
@@ -334,7 +342,8 @@ def _run(props, env, expect):
 
 def spec_of(architecture: str | None) -> ModelSpec | None:
     """A checkpoint of that architecture (None: not known before download)."""
-    model_type = {"GPT2LMHeadModel": "gpt2", "BloomForCausalLM": "bloom"}.get(architecture, "")
+    model_type = {"GPT2LMHeadModel": "gpt2", "BloomForCausalLM": "bloom", "LlamaForCausalLM": "llama"}.get(
+        architecture, "")
     return architecture and ModelSpec.from_dicts({"architectures": [architecture], "model_type": model_type,
                                                   "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4})
 

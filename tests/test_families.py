@@ -131,6 +131,20 @@ def test_other_families_run_on_the_fallback_by_name_and_right(family_dir, arch):
             local_engine(model_dir, "paged")
 
 
+@pytest.mark.parametrize("arch", ["llama3", "mistral-window", "gemma2", "phi3"])
+def test_transformers_model_code_on_our_kv_cache_gives_hf_greedy_tokens(family_dir, arch):
+    """option.model_impl=transformers on families we implement: transformers' model, its attention
+    through our paged KV cache (rope scaling, GQA, windows, softcaps as transformers asks for them)."""
+    model_dir = family_dir(arch, "legacy")
+    expected = hf_greedy(model_dir)
+    engine = local_engine(model_dir, "paged", model_impl="transformers")
+    assert not engine.runner.is_native and engine.runner.owns_kv
+    outputs = drive_engine(engine, [(f"r{i}", p, SamplingParams(max_new_tokens=NEW_TOKENS))
+                                    for i, p in enumerate(PROMPTS)])
+    assert [output_tokens(outputs[f"r{i}"]) for i in range(len(PROMPTS))] == expected
+    engine.stop_ranks()
+
+
 def test_the_fallback_attends_as_transformers_asks_layer_by_layer(tmp_path):
     """GPT-2 scaling each layer's scores by 1/(layer + 1) and not by 1/sqrt(head_dim): what transformers'
     attention asks for at load is what our backends apply (the spec knows neither setting)."""

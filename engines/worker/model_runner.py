@@ -20,7 +20,7 @@ from engines.layers.fused import FusedOps
 from engines.layers.linear import choose_cpu_matmul
 from engines.loader import build_model, parameter_bytes, torch_dtype
 from engines.startup import TIMELINE, throughput
-from engines.models.registry import fallback_reason, model_class, paged_fallback
+from engines.models.registry import attention_interface_supported, fallback_reason, model_class
 from engines.models.spec import ModelSpec
 from engines.worker.padded_cache import GROW, PaddedKVCache
 
@@ -46,10 +46,11 @@ class ModelRunner:
         started = time.perf_counter()
         spec = self.spec
         self.dtype = torch_dtype(self.config.dtype, spec.checkpoint_dtype)
-        cls = None if self.config.trust_remote_code else model_class(spec)
+        cfg = self.config
+        cls = None if cfg.trust_remote_code or cfg.model_impl == "transformers" else model_class(spec)
         if cls is not None:
-            self.model = build_model(cls, spec, self.config.local_dir, self.comm, self.dtype, self.device,
-                                     load_cache_dir=self.config.load_cache_dir)
+            self.model = build_model(cls, spec, cfg.local_dir, self.comm, self.dtype, self.device,
+                                     load_cache_dir=cfg.load_cache_dir)
             self.num_layers = spec.num_layers
             self.num_kv_heads, self.head_dim = self.model.num_kv_heads, self.model.head_dim
             self.layer_options = self._layer_options()
@@ -59,14 +60,15 @@ class ModelRunner:
             FusedOps.use_triton(self.device.type == "cuda" and triton_runs(self.device))
             log.info("fused ops (residual add + RMSNorm, rotary, SiLU x mul): %s",
                      "Triton kernels" if FusedOps.is_triton() else "PyTorch")
-        elif not self.config.trust_remote_code and paged_fallback(spec):
-            self._load_hf(on_our_kv=True)
+        elif not cfg.trust_remote_code and attention_interface_supported(spec.model_type):
+            self._load_hf(on_our_kv=True)  # transformers' model, our KV cache
         else:
             self._load_hf()
         self.eos_token_ids = frozenset(spec.eos_token_ids)
         self.pad_token_id = spec.pad_token_id if spec.pad_token_id is not None else 0
         elapsed = time.perf_counter() - started
-        why = "option.trust_remote_code=true" if self.config.trust_remote_code else fallback_reason(spec)
+        why = "option.trust_remote_code=true" if cfg.trust_remote_code else \
+            "option.model_impl=transformers" if cfg.model_impl == "transformers" else fallback_reason(spec)
         how = "native" if self.is_native else f"the transformers fallback{' on our KV cache' if self.owns_kv else ''}: {why}"
         log.info("loaded %s (%s, %s) in %.1f s", spec.architecture, how, self.dtype, elapsed)
         TIMELINE.record("weight_load", elapsed, throughput(self.weight_bytes, elapsed))
