@@ -135,6 +135,11 @@ def model_config(arch: str, size: str, tokenizer, overrides: dict | None = None)
         settings.pop("intermediate_size") if class_name == "FalconConfig" else None
     if class_name != "FalconConfig":
         settings.setdefault("rms_norm_eps" if class_name != "GPTNeoXConfig" else "layer_norm_eps", 1e-5)
+    scaling = settings.get("rope_scaling") or {}
+    if "short_factor" in scaling:  # longrope: one factor per rotated pair of this shape's heads
+        pairs = (settings.get("head_dim") or settings["hidden_size"] // settings["num_attention_heads"]) // 2
+        settings["rope_scaling"] = {**scaling, "short_factor": [1.0 + 0.05 * i / pairs * 8 for i in range(pairs)],
+                                    "long_factor": [1.5 + 0.2 * i / pairs * 8 for i in range(pairs)]}
     return cls(**settings)
 
 

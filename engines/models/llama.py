@@ -12,12 +12,13 @@ import torch
 from torch import nn
 
 from engines.dist import Communicator
-from engines.layers.attention import Attention, AttentionBackend
+from engines.layers.attention import Attention
 from engines.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engines.layers.fused import ops
 from engines.layers.linear import ColumnParallelLinear, RowParallelLinear, SliceReader
 from engines.layers.norm import RMSNorm
 from engines.layers.rotary import RotaryEmbedding
+from engines.models.base import CausalLM
 from engines.models.spec import ModelSpec
 
 
@@ -69,7 +70,7 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     gemma_norms = False  # the final norm in Gemma's (1 + weight) form
 
     def __init__(self, spec: ModelSpec, comm: Communicator):
@@ -88,27 +89,6 @@ class LlamaForCausalLM(nn.Module):
 
     def make_layer(self, idx: int) -> DecoderLayer:
         return DecoderLayer(idx, self.spec, self.rotary, self.comm)
-
-    @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend, meta=None,
-                logits_index: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids/positions: [B, T] → logits of each row's last position [B, V], or of the flattened
-        token indices `logits_index` [n] → [n, V] (the paged engine's one-row batches)."""
-        x, residual = self.embed(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(x, residual, positions, backend, meta)
-        if logits_index is None:  # the rows that sample only, through the last norm and the LM head
-            x, residual = x[:, -1], residual[:, -1]
-        else:
-            x, residual = x.reshape(-1, x.shape[-1])[logits_index], residual.reshape(-1, x.shape[-1])[logits_index]
-        logits = self.lm_head(self.norm(x, residual)[0])
-        return self.finish_logits(logits).float() if logits is not None else None  # None: ranks > 0 (rank 0 samples)
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
-
-    def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        return logits
 
     # -- loading ---------------------------------------------------------------------------------
     def load_weight(self, name: str, shape: list[int], get: SliceReader) -> bool:

@@ -17,12 +17,13 @@ import torch
 from torch import nn
 
 from engines.dist import Communicator
-from engines.layers.attention import Attention, AttentionBackend
+from engines.layers.attention import Attention
 from engines.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engines.layers.linear import ColumnParallelLinear, RowParallelLinear, SliceReader
 from engines.layers.norm import LayerNorm
 from engines.layers.rotary import RotaryEmbedding
 from engines.models.registry import GELU_APPROXIMATE
+from engines.models.base import CausalLM
 from engines.models.spec import ModelSpec
 
 # checkpoint module ("*": the layer index) → ours, under the model or under layers[i]
@@ -97,7 +98,7 @@ def split_qkv(fused: torch.Tensor, num_kv_heads: int, head_dim: int) -> tuple[to
     return tuple(part.reshape(-1, *rest) for part in (groups[:, :-2], groups[:, -2], groups[:, -1]))
 
 
-class GPTNeoXForCausalLM(nn.Module):
+class GPTNeoXForCausalLM(CausalLM):
     NAMES = NEOX_NAMES
 
     def __init__(self, spec: ModelSpec, comm: Communicator):
@@ -121,21 +122,6 @@ class GPTNeoXForCausalLM(nn.Module):
         cfg = spec.config
         return {"parallel": cfg.get("use_parallel_residual", True), "mlp_norm": True,
                 "attn_bias": cfg.get("attention_bias", True), "mlp_bias": True, "act": cfg.get("hidden_act") or "gelu"}
-
-    @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend, meta=None,
-                logits_index: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids/positions: [B, T] → logits of each row's last position [B, V], or of the flattened
-        token indices `logits_index` [n] → [n, V] (the paged engine's one-row batches)."""
-        x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(x, residual, positions, backend, meta)
-        if logits_index is None:  # the rows that sample only, through the last norm and the LM head
-            x, residual = x[:, -1], residual[:, -1]
-        else:
-            x, residual = x.reshape(-1, x.shape[-1])[logits_index], residual.reshape(-1, x.shape[-1])[logits_index]
-        logits = self.lm_head(self.norm(x, residual)[0])
-        return logits.float() if logits is not None else None  # None: ranks > 0 (rank 0 samples)
 
     # -- loading ---------------------------------------------------------------------------------
     def load_weight(self, name: str, shape: list[int], get: SliceReader) -> bool:
