@@ -1,15 +1,34 @@
-"""What every model of ours shares: the forward over its decoder layers, from token ids to the
-logits of the rows that sample. A family builds `embed_tokens`, `layers` (each taking and returning
-the (sublayer output, residual stream) pair), `norm` (with the residual add fused in) and `lm_head`,
-and may override `embed` and `finish_logits`."""
+"""What every model of ours shares: the rotary tables, the embedding and LM head, and the forward
+over its decoder layers, from token ids to the logits of the rows that sample. A family builds
+`layers` (each taking and returning the (sublayer output, residual stream) pair) and `norm` (with
+the residual add fused in), then calls `make_head`, and may override `embed` and `finish_logits`."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from engines.dist import Communicator
+from engines.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from engines.layers.rotary import RotaryEmbedding
+from engines.models.spec import ModelSpec
+
 
 class CausalLM(nn.Module):
+    def __init__(self, spec: ModelSpec, comm: Communicator):
+        super().__init__()
+        self.spec = spec
+        self.comm = comm
+        self.rotary = RotaryEmbedding(spec.rope, spec.rotary_dim, max(spec.max_model_len, spec.max_position_embeddings
+                                                                      or 0), spec.max_position_embeddings)
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, comm)
+        self.head_dim = spec.head_dim
+
+    def make_head(self) -> None:
+        """The LM head, registered after the layers and the norm (the load cache lays the
+        parameters out in registration order)."""
+        self.lm_head = ParallelLMHead(self.spec.vocab_size, self.spec.hidden_size, self.comm)
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend, meta=None,
                 logits_index: torch.Tensor | None = None) -> torch.Tensor | None:

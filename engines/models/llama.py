@@ -13,7 +13,6 @@ from torch import nn
 
 from engines.dist import Communicator
 from engines.layers.attention import Attention
-from engines.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engines.layers.fused import ops
 from engines.layers.linear import ColumnParallelLinear, RowParallelLinear, SliceReader
 from engines.layers.norm import RMSNorm
@@ -74,18 +73,12 @@ class LlamaForCausalLM(CausalLM):
     gemma_norms = False  # the final norm in Gemma's (1 + weight) form
 
     def __init__(self, spec: ModelSpec, comm: Communicator):
-        super().__init__()
-        self.spec = spec
-        self.comm = comm
-        self.rotary = RotaryEmbedding(spec.rope, spec.rotary_dim, max(spec.max_model_len, spec.max_position_embeddings
-                                                                      or 0), spec.max_position_embeddings)
-        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, comm)
+        super().__init__(spec, comm)
         self.layers = nn.ModuleList(self.make_layer(i) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.norm_eps, gemma=self.gemma_norms)
-        self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, comm)
+        self.make_head()
         self.num_heads = self.layers[0].self_attn.num_heads  # this rank's
         self.num_kv_heads = self.layers[0].self_attn.num_kv_heads
-        self.head_dim = spec.head_dim
 
     def make_layer(self, idx: int) -> DecoderLayer:
         return DecoderLayer(idx, self.spec, self.rotary, self.comm)

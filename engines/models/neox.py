@@ -18,7 +18,7 @@ from torch import nn
 
 from engines.dist import Communicator
 from engines.layers.attention import Attention
-from engines.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from engines.layers.embedding import VocabParallelEmbedding
 from engines.layers.linear import ColumnParallelLinear, RowParallelLinear, SliceReader
 from engines.layers.norm import LayerNorm
 from engines.layers.rotary import RotaryEmbedding
@@ -102,20 +102,14 @@ class GPTNeoXForCausalLM(CausalLM):
     NAMES = NEOX_NAMES
 
     def __init__(self, spec: ModelSpec, comm: Communicator):
-        super().__init__()
-        self.spec = spec
-        self.comm = comm
-        self.rotary = RotaryEmbedding(spec.rope, spec.rotary_dim, max(spec.max_model_len, spec.max_position_embeddings
-                                                                      or 0), spec.max_position_embeddings)
-        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, comm)
+        super().__init__(spec, comm)
         options = self.block_options(spec)
         self.layers = nn.ModuleList(DecoderBlock(i, spec, self.rotary, comm, **options)
                                     for i in range(spec.num_layers))
         self.norm = LayerNorm(spec.hidden_size, spec.norm_eps)
-        self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, comm)
+        self.make_head()
         self.num_heads = self.layers[0].attn.num_heads  # this rank's
         self.num_kv_heads = self.layers[0].attn.num_kv_heads
-        self.head_dim = spec.head_dim
 
     @staticmethod
     def block_options(spec: ModelSpec) -> dict:
