@@ -5,6 +5,8 @@ linears alone, this tree against a baseline commit, interleaved in one run.
         --baseline 0c3b637 --out benchmarks/results/step_small.json
     python -m benchmarks.step --model-dir models/small --batch 32 --rounds 3 --compile \
         --out benchmarks/results/step_compile_small.json      # eager vs option.cpu_compile
+    python -m benchmarks.step --model-dir models/small --batch 32 --rounds 3 --quantize int8,int4 \
+        --out benchmarks/results/quant_small.json             # bf16 vs option.quantize=int8 / int4
 
 Each measurement runs in a fresh process (`--one`), so the two trees never share a process: the
 baseline's is a `git worktree` of `--baseline` in a temporary directory, driven through the same
@@ -28,8 +30,10 @@ import tempfile
 import time
 
 
-def measure_one(model_dir: str, batch: int, prompt: int, new: int, dtype: str, compile_cache: str | None = None) -> dict:
-    """compile_cache: run with option.cpu_compile (torch.compile'd decode steps, cached there)."""
+def measure_one(model_dir: str, batch: int, prompt: int, new: int, dtype: str, compile_cache: str | None = None,
+                quantize: str | None = None) -> dict:
+    """compile_cache: run with option.cpu_compile (torch.compile'd decode steps, cached there);
+    quantize: option.quantize."""
     import random
 
     from engines.config import ENGINE_PAGED, LmiConfig, ModelConfig, SchedulerConfig
@@ -42,7 +46,7 @@ def measure_one(model_dir: str, batch: int, prompt: int, new: int, dtype: str, c
     def publish(outputs):
         generated[0] += sum(len(o.token_ids) for o in outputs)
 
-    config = LmiConfig(model=ModelConfig(local_dir=model_dir, dtype=dtype),
+    config = LmiConfig(model=ModelConfig(local_dir=model_dir, dtype=dtype, **({"quantize": quantize} if quantize else {})),
                        scheduler=SchedulerConfig(engine_kind=ENGINE_PAGED, max_num_seqs=batch,
                                                  max_num_batched_tokens=max(1024, batch * prompt),
                                                  kv_cache_memory="512MiB",
@@ -82,12 +86,17 @@ def linears_alone(model, batch: int, compiled: bool = False) -> float:
     except ImportError:  # a baseline tree from before it: plain bf16 products
         linear = torch.nn.functional.linear
 
-    weights = [m.weight for m in model.modules() if isinstance(getattr(m, "weight", None), torch.Tensor)
-               and m.weight.dim() == 2 and type(m).__name__ != "VocabParallelEmbedding"]
-    xs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype) for w in weights}
+    def is_linear(w) -> bool:  # a 2-D weight, or option.quantize's packed one (engines/layers/quant.py)
+        return hasattr(w, "method") or isinstance(w, torch.Tensor) and w.dim() == 2
+
+    weights = [(m.weight, m.weight.in_features if hasattr(m.weight, "method") else m.weight.shape[1])
+               for m in model.modules() if is_linear(getattr(m, "weight", None))
+               and type(m).__name__ != "VocabParallelEmbedding"]
+    dtype = model.lm_head.weight.dtype
+    xs = {k: torch.randn(batch, k, dtype=dtype) for _, k in weights}
 
     def run_all():  # the outputs are returned: a compiled function would drop unused products
-        return [linear(xs[w.shape[1]], w) for w in weights]
+        return [linear(xs[k], w) for w, k in weights]
 
     fn = torch.compile(run_all) if compiled else run_all
     times = []
@@ -100,8 +109,8 @@ def linears_alone(model, batch: int, compiled: bool = False) -> float:
     return 1e3 * statistics.median(times)
 
 
-def run_one(tree: str, args, batch: int, compile_cache: str | None = None) -> dict:
-    extra = ["--compile-cache", compile_cache] if compile_cache else []
+def run_one(tree: str, args, batch: int, compile_cache: str | None = None, quantize: str | None = None) -> dict:
+    extra = (["--compile-cache", compile_cache] if compile_cache else []) + (["--quantize", quantize] if quantize else [])
     out = subprocess.run([sys.executable, "-m", "benchmarks.step", "--one", "--model-dir", os.path.abspath(args.model_dir),
                           "--batch", str(batch), "--prompt", str(args.prompt), "--new", str(args.new),
                           "--dtype", args.dtype, *extra], cwd=tree, capture_output=True, text=True)
@@ -122,12 +131,14 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="benchmarks/results/step.json")
     p.add_argument("--compile", action="store_true",
                    help="also this tree with option.cpu_compile (its compile cache is kept across rounds)")
+    p.add_argument("--quantize", help="also this tree with option.quantize, each of a comma-separated list (int8,int4)")
     p.add_argument("--compile-cache", help=argparse.SUPPRESS)
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batch.split(",")]
     if args.one:
-        print(json.dumps(measure_one(args.model_dir, batches[0], args.prompt, args.new, args.dtype, args.compile_cache)))
+        print(json.dumps(measure_one(args.model_dir, batches[0], args.prompt, args.new, args.dtype, args.compile_cache,
+                                     args.quantize)))
         return 0
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -135,6 +146,8 @@ def main(argv=None) -> int:
     compile_cache = tempfile.mkdtemp(prefix="lmi-compile-cache-") if args.compile else None
     if args.compile:
         trees["this tree, compiled"] = root
+    methods = {f"this tree, {q}": q for q in (args.quantize or "").split(",") if q}
+    trees.update(dict.fromkeys(methods, root))
     worktree = None
     if args.baseline:
         worktree = tempfile.mkdtemp(prefix="lmi-baseline-")
@@ -150,7 +163,7 @@ def main(argv=None) -> int:
         for r in range(args.rounds):
             for b in batches:
                 for name, tree in trees.items():
-                    res = run_one(tree, args, b, compile_cache if name.endswith("compiled") else None)
+                    res = run_one(tree, args, b, compile_cache if name.endswith("compiled") else None, methods.get(name))
                     runs[(name, b)].append(res)
                     print(f"  round {r + 1} batch {b:>3} {name:<22} {res['tok_s']:7.1f} tok/s  decode step "
                           f"{res['decode_step_ms']:6.1f} ms  linears {res['linears_ms']:6.1f} ms  "

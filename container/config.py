@@ -174,9 +174,6 @@ def _check_static_contradictions(cfg: ResolvedConfig) -> None:
         if not paged and rb in ("lmi-dist", "vllm"):
             raise ConfigError(f"option.paged_attention=false with option.rolling_batch={rb}: {rb} is the "
                               "paged engine; use option.rolling_batch=scheduler for a padded KV cache")
-    if cfg["option.quantize"]:
-        raise ConfigError(f"option.quantize={cfg['option.quantize']!r}: quantization is not supported yet; "
-                          "remove the key (or HF_MODEL_QUANTIZE)")
 
 
 def select_engine(cfg: ResolvedConfig, spec: ModelSpec | None) -> str:
@@ -270,7 +267,7 @@ def build(cfg: ResolvedConfig, *, local_dir: str, spec: ModelSpec | None,
     if tp > 1 and kind != ENGINE_DYNAMIC and fallback:
         raise ConfigError(f"option.tensor_parallel_degree={tp} with {spec.architecture if spec else 'this model'}: "
                           f"the HF fallback path runs at tensor_parallel_degree=1 only ({fallback})")
-    dtype = cfg["option.dtype"] or ("fp16" if num_gpus else "bf16")
+    dtype = quantized_dtype(cfg, num_gpus, fallback, spec)
     model = ModelConfig(local_dir=local_dir, model_id=cfg["option.model_id"], revision=cfg["option.revision"],
                         dtype=dtype, trust_remote_code=cfg["option.trust_remote_code"],
                         model_impl=cfg["option.model_impl"],
@@ -295,6 +292,22 @@ def build(cfg: ResolvedConfig, *, local_dir: str, spec: ModelSpec | None,
                           chat_template=cfg["option.chat_template"], tgi_compat=cfg["option.tgi_compat"])
     return LmiConfig(model=model, scheduler=scheduler,
                      parallel=ParallelConfig(use_mpi=use_mpi, tensor_parallel_degree=tp), server=server)
+
+
+def quantized_dtype(cfg: ResolvedConfig, num_gpus: int, fallback: str | None, spec: ModelSpec | None) -> str:
+    """The model dtype, checked against option.quantize: quantisation runs on our model code only, and
+    int4 on CUDA in bf16 only (bf16 when option.dtype is unset)."""
+    method, dtype = cfg["option.quantize"], cfg["option.dtype"]
+    if method and fallback:
+        raise ConfigError(f"option.quantize={method} quantises the linear layers of our model code, and "
+                          f"{spec.architecture if spec else 'this model'} runs on the transformers fallback "
+                          f"({fallback}); unset option.quantize")
+    if method == "int4" and num_gpus:
+        if dtype in ("fp16", "fp32"):
+            raise ConfigError(f"option.quantize=int4 with option.dtype={dtype} on GPUs: PyTorch's CUDA int4 kernel "
+                              "takes bf16 activations only; set option.dtype=bf16 or option.quantize=int8")
+        return dtype or "bf16"
+    return dtype or ("fp16" if num_gpus else "bf16")
 
 
 def speed_settings(cfg: ResolvedConfig, kind: str) -> dict:

@@ -77,6 +77,25 @@ def text(key: str, raw: str) -> str:
     return raw
 
 
+QUANTIZE_METHODS = ("int8", "int4")  # weight-only, quantised at load (engines/layers/quant.py)
+_QUANTIZE_MISSING = {
+    "fp8": "fp8 weights need fp8 kernels, not implemented yet",
+    "int8_dynamic": "int8 activations are not implemented; int8 quantises the weights only",
+    **dict.fromkeys(("awq", "gptq", "marlin", "gptq_marlin", "awq_marlin", "compressed-tensors", "bitsandbytes",
+                     "bitsandbytes-nf4", "bitsandbytes-fp4", "eetq", "exl2", "squeezellm"),
+                    "pre-quantised checkpoints do not load yet"),
+}
+
+
+def quantize_method(key: str, raw: str) -> str:
+    name = raw.strip().lower()
+    if name in QUANTIZE_METHODS:
+        return name
+    why = _QUANTIZE_MISSING.get(name, "not a method of lmi-serve")
+    raise ConfigError(f"{key}={raw!r} is not supported ({why}); what runs: int8 or int4 (weight-only, quantised "
+                      "at load from a bf16/fp16/fp32 checkpoint), or unset it")
+
+
 def tensor_parallel(key: str, raw: str) -> int | str:
     if raw.strip().lower() == "max":
         return "max"
@@ -171,7 +190,10 @@ KEYS: tuple[Key, ...] = (
         "not a local path, else the model dir's name)"),
     Key("option.chat_template", text, None,
         "chat template: a file path or an inline Jinja template (default: the tokenizer's)"),
-    Key("option.quantize", text, None, "quantization method (not supported yet: refused at start)"),
+    Key("option.quantize", quantize_method, None,
+        "weight-only quantisation of our model code's linear layers at load: int8 (per output channel) or int4 "
+        "(groups of 32 inputs); CPU and CUDA (int4 on CUDA in bf16); the embeddings and LM head stay unquantised "
+        "(docs/quantization.md)"),
 )
 
 # DJL keys that are accepted for compatibility but change nothing here (no warning for them).

@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import shutil
 import subprocess
 from dataclasses import asdict
@@ -29,26 +30,40 @@ def read_model_shape(local_dir: str, max_model_len_override: int | None = None,
                  num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, intermediate_size=spec.intermediate_size,
                  vocab_size=spec.vocab_size)
     counted = count_checkpoint_parameters(local_dir)
-    total, replicated = counted if counted else estimate_parameters(spec.config, **shape)
+    total, replicated, linears = counted if counted else (*estimate_parameters(spec.config, **shape),
+                                                          estimate_linear_parameters(spec.config, **shape))
     dtype = TORCH_DTYPE_NAMES.get(str(spec.checkpoint_dtype or "float32"), "fp32")
     return ModelShape(architecture=spec.architecture, num_parameters=total, replicated_parameters=replicated,
-                      max_model_len=spec.max_model_len, checkpoint_dtype=dtype, **shape)
+                      max_model_len=spec.max_model_len, checkpoint_dtype=dtype, linear_parameters=linears, **shape)
 
 
-def count_checkpoint_parameters(local_dir: str) -> tuple[int, int] | None:
-    """(all parameters, those of 1-D tensors) from the safetensors headers; None without any."""
+# a decoder layer's tensor (Llama-style `layers.N.`, Falcon's `h.N.`); of those, what option.quantize leaves
+# alone: MoE experts and routers (Mixtral's block_sparse_moe.gate, Qwen2-MoE's mlp.gate and shared_expert_gate)
+_DECODER_TENSOR = re.compile(r"(?:^|\.)(?:layers|h)\.\d+\.")
+_NOT_QUANTIZED = re.compile(r"experts\.|(?:block_sparse_moe|mlp)\.gate\.weight$|shared_expert_gate\.weight$")
+
+
+def is_quantized_linear(name: str, shape: list[int]) -> bool:
+    """Whether option.quantize packs this checkpoint tensor: a decoder layer's dense 2-D weight."""
+    return len(shape) == 2 and bool(_DECODER_TENSOR.search(name)) and not _NOT_QUANTIZED.search(name)
+
+
+def count_checkpoint_parameters(local_dir: str) -> tuple[int, int, int] | None:
+    """(all parameters, those of 1-D tensors, those of quantisable linears) from the safetensors
+    headers; None without any."""
     paths = sorted(glob.glob(os.path.join(local_dir, "*.safetensors")))
     if not paths:
         return None
-    total = replicated = 0
+    total = replicated = linears = 0
     for path in paths:
-        for meta in read_safetensors_header(path).values():
+        for name, meta in read_safetensors_header(path).items():
             numel = 1
             for d in meta["shape"]:
                 numel *= d
             total += numel
             replicated += numel if len(meta["shape"]) <= 1 else 0
-    return total, replicated
+            linears += numel if is_quantized_linear(name, meta["shape"]) else 0
+    return total, replicated, linears
 
 
 def estimate_parameters(cfg: dict, *, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
@@ -60,6 +75,14 @@ def estimate_parameters(cfg: dict, *, hidden_size: int, num_layers: int, num_hea
     norms = (2 * num_layers + 1) * hidden_size
     embeddings = vocab_size * hidden_size * (1 if cfg.get("tie_word_embeddings") else 2)
     return embeddings + num_layers * (attention + mlp_mats * hidden_size * intermediate_size) + norms, norms
+
+
+def estimate_linear_parameters(cfg: dict, *, hidden_size: int, num_layers: int, num_heads: int,
+                               num_kv_heads: int, head_dim: int, intermediate_size: int, **_) -> int:
+    """estimate_parameters' q/k/v/o and MLP matrices: what option.quantize packs."""
+    mlp_mats = 2 if cfg.get("model_type") in ("gpt2", "falcon") else 3
+    return num_layers * (hidden_size * head_dim * (2 * num_heads + 2 * num_kv_heads)
+                         + mlp_mats * hidden_size * intermediate_size)
 
 
 def this_machine(num_gpus: int) -> Machine | None:
@@ -96,13 +119,14 @@ def workload(resolved, shape: ModelShape, machine: Machine, engine_kind: str, *,
                     max_model_len=shape.max_model_len, prompt_tokens=prompt, output_tokens=output,
                     kv_block_size=resolved["option.kv_block_size"],
                     gpu_memory_utilization=resolved["option.gpu_memory_utilization"], kv_cache_bytes=kv_bytes,
-                    is_paged=engine_kind == ENGINE_PAGED)
+                    is_paged=engine_kind == ENGINE_PAGED, quantize=resolved["option.quantize"])
 
 
 def summary(p: Plan) -> str:
     """One line: what runs where, the two big numbers, and the verdict."""
     w = p.workload
-    head = (f"plan: {p.shape.architecture} {count(p.shape.num_parameters)} parameters, {w.dtype}, "
+    dtype = f"{w.dtype} ({w.quantize} linears)" if w.quantize else w.dtype
+    head = (f"plan: {p.shape.architecture} {count(p.shape.num_parameters)} parameters, {dtype}, "
             f"TP {w.tensor_parallel_degree} on {p.machine.name}: weights {gib(p.weight_bytes)}/rank, KV cache "
             f"{p.kv_tokens:,} tokens ({p.kv_bytes_per_token:,} bytes/token/rank), {p.max_concurrent_seqs:,} "
             f"sequences of {w.sequence_tokens:,} tokens")
@@ -116,6 +140,8 @@ def table(p: Plan) -> list[str]:
             ("parameters", f"{s.num_parameters:,}"),
             ("machine", p.machine.name),
             ("dtype / tensor_parallel_degree", f"{w.dtype} / {w.tensor_parallel_degree}"),
+            ("option.quantize", f"{w.quantize}: {count(s.linear_parameters)} linear parameters" if w.quantize
+             else "none"),
             ("usable memory per rank", f"{gib(p.usable_bytes)} ({p.usable_bytes:,} bytes)"),
             ("weights per rank", f"{gib(p.weight_bytes)} ({p.weight_bytes:,} bytes)"),
             ("activation/workspace headroom", f"{gib(p.headroom_bytes)} ({p.headroom_bytes:,} bytes)"),

@@ -7,7 +7,9 @@ Per rank (one GPU, or one CPU process):
 
     usable      = device memory × gpu_memory_utilization            (CPU: available RAM / ranks)
     weights     = sharded params / TP + replicated params (norms, biases, KV heads copied when
-                  there are fewer KV heads than ranks), × dtype bytes
+                  there are fewer KV heads than ranks), × dtype bytes; with option.quantize the
+                  decoder layers' dense linears at int8: 1 byte + a scale per output row, int4:
+                  ½ byte + a scale and a zero point per group of 32 inputs (engines/layers/quant.py)
     headroom    = fixed runtime overhead + activations of one step of max_num_batched_tokens
                   tokens + float32 logits of max_num_seqs rows
     KV          = usable − weights − headroom, in tokens of kv_bytes_per_token (paged: whole blocks)
@@ -26,6 +28,8 @@ CPU_RUNTIME_BYTES = GIB // 2  # the Python interpreter, torch and transformers o
 DEFAULT_CPU_KV_FRACTION = 0.25  # of available RAM: the cap of the CPU KV cache when unset
 TP_DEGREES = (1, 2, 4, 8)
 LOGITS_COPIES = 2  # gathered logits and the sampler's processed copy, float32
+QUANT_WEIGHT_BYTES = {"int8": 1.0, "int4": 0.5}  # option.quantize: bytes per linear weight, before scales
+INT4_GROUP_SIZE = 32  # engines/layers/quant.py's (no torch here)
 
 
 def local_kv_heads(num_kv_heads: int, world_size: int) -> tuple[int, bool]:
@@ -55,6 +59,7 @@ class ModelShape:
     vocab_size: int
     max_model_len: int
     checkpoint_dtype: str  # fp32 | fp16 | bf16
+    linear_parameters: int = 0  # the decoder layers' dense linears (what option.quantize packs), all ranks'
 
     def can_split(self, tp: int) -> bool:
         if self.num_heads % tp:
@@ -65,11 +70,16 @@ class ModelShape:
             return False
         return True
 
-    def weight_bytes_per_rank(self, tp: int, dtype_bytes: int) -> int:
+    def weight_bytes_per_rank(self, tp: int, dtype_bytes: int, quantize: str | None = None) -> int:
         kv_proj = self.num_layers * 2 * self.hidden_size * self.head_dim  # per KV head
-        sharded = self.num_parameters - self.replicated_parameters - kv_proj * self.num_kv_heads
         kv_local = local_kv_heads(self.num_kv_heads, tp)[0]
-        return (math.ceil(sharded / tp) + self.replicated_parameters + kv_proj * kv_local) * dtype_bytes
+        local = math.ceil((self.num_parameters - self.replicated_parameters - kv_proj * self.num_kv_heads) / tp) \
+            + self.replicated_parameters + kv_proj * kv_local
+        if not quantize:
+            return local * dtype_bytes
+        linears = math.ceil((self.linear_parameters - kv_proj * self.num_kv_heads) / tp) + kv_proj * kv_local
+        scales = dtype_bytes / self.hidden_size if quantize == "int8" else 2 * dtype_bytes / INT4_GROUP_SIZE
+        return (local - linears) * dtype_bytes + math.ceil(linears * (QUANT_WEIGHT_BYTES[quantize] + scales))
 
     def kv_bytes_per_token(self, tp: int, dtype_bytes: int) -> int:
         """K and V of one token over all layers, on one rank."""
@@ -111,6 +121,7 @@ class Workload:
     kv_block_size: int = 16
     gpu_memory_utilization: float = 0.9
     kv_cache_bytes: int | None = None  # CPU: option.kv_cache_memory resolved to bytes (all ranks)
+    quantize: str | None = None  # option.quantize: int8 | int4 (weight-only, the decoder's linears)
     is_paged: bool = True
 
     @property
@@ -171,7 +182,7 @@ def plan(shape: ModelShape, machine: Machine, work: Workload) -> Plan:
 def _figures(shape: ModelShape, machine: Machine, work: Workload, tp: int) -> dict[str, int]:
     dtype_bytes = DTYPE_BYTES[work.dtype]
     per_token = shape.kv_bytes_per_token(tp, dtype_bytes)
-    weights = shape.weight_bytes_per_rank(tp, dtype_bytes)
+    weights = shape.weight_bytes_per_rank(tp, dtype_bytes, work.quantize)
     activations = shape.activation_bytes(tp, dtype_bytes, work.max_num_batched_tokens, work.max_num_seqs)
     if machine.is_gpu:
         usable = int(machine.device_bytes * work.gpu_memory_utilization)

@@ -150,16 +150,18 @@ def paged_engine(model_dir, **sched):
     return local_engine(model_dir, "paged", **sched)
 
 
-def local_engine(model_dir, kind: str, model_impl: str = "auto", **sched):
-    """A loaded rolling engine of `kind` (paged | rolling: the padded one) on a model in fp32, in this
-    process, publishing nowhere; as paged_engine. model_impl: option.model_impl."""
+def local_engine(model_dir, kind: str, model_impl: str = "auto", quantize: str | None = None, dtype: str = "fp32",
+                 **sched):
+    """A loaded rolling engine of `kind` (paged | rolling: the padded one) on a model in `dtype`, in this
+    process, publishing nowhere; as paged_engine. model_impl, quantize: option.model_impl, option.quantize."""
     from engines.config import ENGINE_PAGED, LmiConfig, ModelConfig, SchedulerConfig
     from engines.dist import SingleProcess
     from engines.worker.paged_engine import PagedEngine
     from engines.worker.rolling_engine import RollingEngine
 
     sched = {"kv_cache_memory": "4MiB", "max_num_seqs": 4, **sched}
-    config = LmiConfig(model=ModelConfig(local_dir=str(model_dir), dtype="fp32", model_impl=model_impl),
+    config = LmiConfig(model=ModelConfig(local_dir=str(model_dir), dtype=dtype, model_impl=model_impl,
+                                                 quantize=quantize),
                        scheduler=SchedulerConfig(engine_kind=kind, **sched))
     engine = (PagedEngine if kind == ENGINE_PAGED else RollingEngine)(config, lambda outs: None, SingleProcess())
     engine.load()

@@ -1,7 +1,7 @@
 """Run under `mpirun -np 2`: the paged engine at TP=2 on each model directory given, in turn, and
 rank 0 writes each one's greedy tokens to a JSON file (tests/test_families.py compares them with
 transformers' `generate`). One mpirun for every family: each model's ranks load, serve the
-prompts and stop, then the next model loads.
+prompts and stop, then the next model loads. The job's optional "quantize" is option.quantize.
 
     python -m tests.tp_families OUT.json PROMPTS.json DIR [DIR ...]
 """
@@ -26,7 +26,7 @@ def main(out_path: str, prompts_path: str, model_dirs: list[str]) -> None:
         job = json.load(f)
     results = {}
     for model_dir in model_dirs:
-        config = LmiConfig(model=ModelConfig(local_dir=model_dir, dtype="fp32"),
+        config = LmiConfig(model=ModelConfig(local_dir=model_dir, dtype="fp32", quantize=job.get("quantize")),
                            scheduler=SchedulerConfig(engine_kind=ENGINE_PAGED, kv_cache_memory="4MiB", max_num_seqs=4))
         if comm.rank:
             run_shard(config, comm)  # returns when rank 0 stops the ranks

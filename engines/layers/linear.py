@@ -29,7 +29,12 @@ class MatmulPolicy:
     upcast = False
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor | nn.Module, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ b). `weight` is a tensor, or a packed low-bit weight (engines/layers/quant.py: a
+    module that multiplies x by itself) once option.quantize has replaced it."""
+    if not isinstance(weight, torch.Tensor):
+        y = weight(x)
+        return y if bias is None else y + bias
     if MatmulPolicy.upcast and weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
         return nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
     return nn.functional.linear(x, weight, bias)

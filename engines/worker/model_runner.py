@@ -18,6 +18,7 @@ from engines.config import ModelConfig
 from engines.dist import Communicator, SingleProcess
 from engines.layers.fused import FusedOps
 from engines.layers.linear import choose_cpu_matmul
+from engines.layers.quant import quantize_linears
 from engines.loader import build_model, parameter_bytes, torch_dtype
 from engines.startup import TIMELINE, throughput
 from engines.models.registry import attention_interface_supported, fallback_reason, model_class
@@ -55,11 +56,16 @@ class ModelRunner:
             self.num_kv_heads, self.head_dim = self.model.num_kv_heads, self.model.head_dim
             self.layer_options = self._layer_options()
             self.is_native = self.owns_kv = True
+            if cfg.quantize:
+                self._quantize(cfg.quantize)
             if self.device.type == "cpu" and self.dtype == torch.bfloat16:
                 self._choose_cpu_matmul(spec)
             FusedOps.use_triton(self.device.type == "cuda" and triton_runs(self.device))
             log.info("fused ops (residual add + RMSNorm, rotary, SiLU x mul): %s",
                      "Triton kernels" if FusedOps.is_triton() else "PyTorch")
+        elif cfg.quantize:
+            raise ValueError(f"option.quantize={cfg.quantize} quantises our model code's linear layers, and "
+                             f"{spec.architecture} runs on the transformers fallback; unset option.quantize")
         elif not cfg.trust_remote_code and attention_interface_supported(spec.model_type):
             self._load_hf(on_our_kv=True)  # transformers' model, our KV cache
         else:
@@ -81,6 +87,14 @@ class ModelRunner:
         log.info("bf16 matrix products on this CPU: %s (a [32, %d] x [%d, %d] product: %.2f ms native bf16, %.2f ms "
                  "upcast to float32)", "upcast to float32" if upcast else "native bf16", spec.hidden_size,
                  spec.hidden_size, spec.intermediate_size, native, up)
+
+    def _quantize(self, method: str) -> None:
+        """option.quantize: this rank's linear shards → packed low-bit weights (engines/layers/quant.py)."""
+        started, before = time.perf_counter(), self.weight_bytes
+        done = quantize_linears(self.model, method)
+        log.info("option.quantize=%s: %d linear layers weight-only %s (the embeddings and LM head stay %s); "
+                 "weights %.1f -> %.1f MiB on rank %d in %.1f s", method, done["linears"], method, self.dtype,
+                 before / 2**20, self.weight_bytes / 2**20, self.comm.rank, time.perf_counter() - started)
 
     def _layer_options(self) -> list[LayerOptions]:
         spec = self.spec

@@ -1,0 +1,154 @@
+"""Weight-only quantisation of the linear layers, on the fly after loading (`option.quantize`).
+
+    int8: W ≈ q · s               q int8 [out, in]; s [out]: one symmetric scale per output row
+    int4: W ≈ (q − 8) · s + z     q in 0..15 [out, in]; s, z [in / g, out]: per group of g inputs
+
+Activations stay in the model dtype (bf16, fp16 or fp32); PyTorch's packed kernels multiply:
+`_weight_int8pack_mm` (CPU and CUDA) and `_weight_int4pack_mm_for_cpu` / `_weight_int4pack_mm`
+(CUDA, bf16 only), each on the weight layout its converter writes.
+
+Each rank quantises its own shard once it is loaded, so tensor parallelism needs nothing more: a
+column-parallel shard holds whole output rows with their scales; a row-parallel shard's rows are
+quantised over its own input columns, and each rank's partial product is dequantised (in the
+kernel) before the all-reduce sums them. The embeddings, the LM head, the norms, the MoE router and
+the MoE experts' stacked [E, ...] weights stay in the model dtype.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from engines.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+log = logging.getLogger(__name__)
+
+METHODS = ("int8", "int4")
+INT4_GROUP_SIZE = 32  # inputs per int4 scale and zero point
+INT4_ROWS_MULTIPLE = 16  # the CPU int4 converter packs 16 output rows at a time (CUDA: 8)
+
+
+def int8_quantize(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [out, in] → (q int8 [out, in], scales [out] in `dtype`), W ≈ q · scales[:, None]. The
+    scales are rounded to `dtype` before dividing, so the kernel's dequantisation is this one."""
+    w = weight.float()
+    scales = (w.abs().amax(dim=1).clamp(min=1e-12) / 127).to(dtype)
+    q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scales
+
+
+def int4_quantize(weight: torch.Tensor, group_size: int, dtype: torch.dtype) \
+        -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """W [out, in] → (q int32 in 0..15 [out, in], scales [in / g, out], zeros [in / g, out]),
+    asymmetric per group of g inputs: W ≈ (q − 8) · s + z, z = min + 8 s (the kernels' convention)."""
+    out, k = weight.shape
+    w = weight.float().reshape(out, k // group_size, group_size)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)  # [out, in / g]
+    scales = ((hi - lo).clamp(min=1e-6) / 15).to(dtype)
+    zeros = (lo + 8 * scales.float()).to(dtype)
+    q = torch.round((w - zeros.float()[..., None]) / scales.float()[..., None] + 8).clamp(0, 15)
+    return q.reshape(out, k).to(torch.int32), scales.t().contiguous(), zeros.t().contiguous()
+
+
+def int4_dequantize(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The float32 W [out, in] that int4_quantize's output stands for."""
+    out, k = q.shape
+    groups = (q.float().reshape(out, k // group_size, group_size) - 8) * scales.float().t()[..., None]
+    return (groups + zeros.float().t()[..., None]).reshape(out, k)
+
+
+def _int4_pack_cuda(q: torch.Tensor, inner_k_tiles: int) -> torch.Tensor:
+    """CUDA's converter takes two 4-bit values per byte, the even input first: [out, in / 2] uint8."""
+    return torch.ops.aten._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8), inner_k_tiles)
+
+
+# device type → (pack q [out, in] int32, multiply); the CUDA entries are the same call on CUDA's layout
+INT4_KERNELS = {
+    "cpu": (lambda q, tiles: torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, tiles),
+            torch.ops.aten._weight_int4pack_mm_for_cpu),
+    "cuda": (_int4_pack_cuda, torch.ops.aten._weight_int4pack_mm),
+}
+
+
+class Int8Weight(nn.Module):
+    """A linear layer's weight as int8 rows and their scales; called with x [..., in] → [..., out]."""
+
+    method = "int8"
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        q, scales = int8_quantize(weight, weight.dtype)
+        self.qweight = nn.Parameter(q, requires_grad=False)  # [out, in] int8
+        self.scales = nn.Parameter(scales, requires_grad=False)  # [out]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1]).contiguous()  # the kernel takes 2-D rows
+        y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
+class Int4Weight(nn.Module):
+    """A linear layer's weight as packed int4 groups with their scales and zero points."""
+
+    method = "int4"
+
+    def __init__(self, weight: torch.Tensor, group_size: int | None = None):
+        super().__init__()
+        self.out_features, self.in_features = out, k = weight.shape
+        self.group_size = group_size = group_size or INT4_GROUP_SIZE
+        q, scales, zeros = int4_quantize(weight, group_size, weight.dtype)
+        tiles = next(t for t in (8, 4, 2) if k % (16 * t) == 0)
+        pack, self._mm = INT4_KERNELS[weight.device.type]
+        self.packed = nn.Parameter(pack(q, tiles), requires_grad=False)  # the kernel's layout
+        self.scales_zeros = nn.Parameter(torch.stack([scales, zeros], dim=-1), requires_grad=False)  # [in/g, out, 2]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1]).contiguous()
+        y = self._mm(flat, self.packed, self.group_size, self.scales_zeros)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def check_quantizable(method: str, dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse, naming what runs instead, a method this device cannot run in this dtype."""
+    if method not in METHODS:
+        raise ValueError(f"option.quantize={method}: weight-only int8 and int4 run here; "
+                         f"use one of {', '.join(METHODS)} or unset it")
+    if method == "int4" and device.type == "cuda" and dtype != torch.bfloat16:
+        raise ValueError(f"option.quantize=int4 on CUDA runs in bf16 only (PyTorch's int4 kernel), not {dtype}; "
+                         "set option.dtype=bf16 or use option.quantize=int8")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"option.quantize={method} runs on CPU and CUDA, not {device.type}")
+
+
+def _int4_shape_problem(weight: torch.Tensor) -> str | None:
+    out, k = weight.shape
+    rows = INT4_ROWS_MULTIPLE if weight.device.type == "cpu" else 8
+    if out % rows or k % INT4_GROUP_SIZE:
+        return f"a [{out}, {k}] shard: int4 needs outputs a multiple of {rows} and inputs of {INT4_GROUP_SIZE}"
+    return None
+
+
+def quantize_linears(model: nn.Module, method: str) -> dict[str, int]:
+    """Replace every column- and row-parallel linear weight of `model` (this rank's shard) by its
+    packed form, in place; `engines.layers.linear.linear` calls it. → {"linears", "skipped_params"}:
+    how many were quantised, and how many parameters of stacked MoE experts stay in the model dtype."""
+    check_quantizable(method, next(model.parameters()).dtype, next(model.parameters()).device)
+    pack = Int8Weight if method == "int8" else Int4Weight
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    if method == "int4":
+        for name, m in linears:
+            problem = _int4_shape_problem(m.weight)
+            if problem:
+                raise ValueError(f"option.quantize=int4 cannot pack {name} ({problem}); use option.quantize=int8")
+    experts = sum(p.numel() for p in model.parameters() if p.dim() == 3)  # stacked [E, ...] experts
+    for _, m in linears:
+        weight = m.weight
+        del m.weight
+        m.weight = pack(weight.data)
+        del weight
+    if experts:
+        log.info("option.quantize=%s: %d parameters of stacked MoE experts stay in the model dtype", method, experts)
+    return {"linears": len(linears), "skipped_params": experts}

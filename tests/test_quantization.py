@@ -1,0 +1,190 @@
+"""option.quantize (engines/layers/quant.py): the packed int8 / int4 linears against a dequantise-then-
+matmul reference, the model's linears swapped in place, and the paged engine serving a quantised
+tiny model with its teacher-forced top-1 agreement against the unquantised one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engines.dist import SingleProcess
+from engines.layers.linear import ColumnParallelLinear, RowParallelLinear, linear
+from engines.layers.quant import (
+    INT4_GROUP_SIZE, Int4Weight, Int8Weight, int4_dequantize, int4_quantize, int8_quantize, quantize_linears,
+)
+from tests.support import drive_engine, local_engine, output_tokens
+
+DTYPES = [torch.float32, torch.bfloat16]
+# held text for the teacher-forced agreement (not the tokenizer's training corpus)
+HELD_TEXT = ("The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step. "
+             "All that glitters is not gold; the early bird catches the worm, and actions speak louder than words. "
+             "Rivers carve valleys over ages while the mountains above them slowly wear down to hills.")
+
+
+def _close(y: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    """fp32: the kernel's sum order only; bf16: its rounding of the output (2^-8 relative)."""
+    scale = ref.abs().max().item()
+    tol = 1e-5 * scale if dtype == torch.float32 else 1.6e-2 * scale
+    assert (y.float() - ref).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_int8_linear_is_its_dequantised_matmul(dtype) -> None:
+    torch.manual_seed(0)
+    w, bias = torch.randn(96, 128).to(dtype), torch.randn(96).to(dtype)
+    x = torch.randn(2, 5, 128).to(dtype)  # [B, T, in]: the layer flattens and restores the leading dims
+    q, scales = int8_quantize(w, dtype)
+    deq = q.float() * scales.float()[:, None]
+    assert (w.float() - deq).abs().le(scales.float()[:, None] / 2 + 1e-6).all()  # round to nearest
+    y = linear(x, Int8Weight(w), bias)
+    assert y.shape == (2, 5, 96) and y.dtype == dtype
+    _close(y, x.float() @ deq.t() + bias.float(), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_int4_linear_is_its_dequantised_matmul(dtype) -> None:
+    torch.manual_seed(1)
+    w = torch.randn(64, 4 * INT4_GROUP_SIZE).to(dtype)
+    x = torch.randn(7, w.shape[1]).to(dtype)
+    q, scales, zeros = int4_quantize(w, INT4_GROUP_SIZE, dtype)
+    assert q.min() >= 0 and q.max() <= 15 and scales.shape == (w.shape[1] // INT4_GROUP_SIZE, 64)
+    deq = int4_dequantize(q, scales, zeros, INT4_GROUP_SIZE)
+    step = scales.float().t().repeat_interleave(INT4_GROUP_SIZE, dim=1)  # [out, in]
+    slack = 0.5 if dtype == torch.float32 else 0.6  # bf16: the zero point's rounding too
+    assert (w.float() - deq).abs().le(slack * step + 1e-6).all()
+    y = linear(x, Int4Weight(w))
+    assert y.shape == (7, 64) and y.dtype == dtype
+    _close(y, x.float() @ deq.t(), dtype)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_cuda_kernels_match_the_reference(method) -> None:
+    torch.manual_seed(2)
+    w = torch.randn(128, 256, dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(9, 256, dtype=torch.bfloat16, device="cuda")
+    if method == "int8":
+        q, scales = int8_quantize(w, w.dtype)
+        deq, packed = q.float() * scales.float()[:, None], Int8Weight(w)
+    else:
+        deq, packed = int4_dequantize(*int4_quantize(w, INT4_GROUP_SIZE, w.dtype), INT4_GROUP_SIZE), Int4Weight(w)
+    _close(packed(x), x.float() @ deq.t(), torch.bfloat16)
+
+
+def _layers(out_features: int = 64) -> torch.nn.Module:
+    model = torch.nn.Module()
+    model.qkv = ColumnParallelLinear(64, [out_features], SingleProcess(), bias=True)
+    model.o = RowParallelLinear(64, 64, SingleProcess())
+    model.head = torch.nn.Parameter(torch.randn(10, 64), requires_grad=False)
+    for p in model.parameters():
+        p.data.normal_()
+    return model
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantize_linears_swaps_the_weights_in_place(method) -> None:
+    model = _layers()
+    x = torch.randn(3, 64)
+    before = model.o(model.qkv(x))
+    done = quantize_linears(model, method)
+    assert done == {"linears": 2, "skipped_params": 0}
+    assert not isinstance(model.qkv.weight, torch.Tensor) and model.qkv.weight.method == method
+    assert isinstance(model.head, torch.Tensor)  # anything but the column/row-parallel linears stays
+    after = model.o(model.qkv(x))
+    error = ((after - before).norm() / before.norm()).item()
+    assert error < (0.01 if method == "int8" else 0.15), error
+    packed = sum(p.numel() * p.element_size() for p in model.o.parameters())
+    assert packed == (64 * 64 + 64 * 4 if method == "int8" else 64 * 32 + 2 * 2 * 64 * 4)  # fp32 scales (and zeros)
+
+
+def test_int4_refuses_a_shape_it_cannot_pack() -> None:
+    with pytest.raises(ValueError, match="option.quantize=int4 cannot pack qkv.*use option.quantize=int8"):
+        quantize_linears(_layers(out_features=40), "int4")
+    with pytest.raises(ValueError, match="int8, int4"):
+        quantize_linears(_layers(), "fp8")
+
+
+def _top1(engine, ids: list[int]) -> torch.Tensor:
+    """Teacher-forced: the argmax at every position of the held text."""
+    logits, _ = engine.runner.prefill([ids], prompt_rows=[0])  # the last position, then positions 0 .. n-2
+    return torch.cat([logits[1:], logits[:1]]).argmax(dim=-1)
+
+
+@pytest.fixture(scope="module")
+def held(tiny_model):
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(str(tiny_model))(HELD_TEXT)["input_ids"]
+    return ids, _top1(local_engine(tiny_model, "paged"), ids)
+
+
+# Measured on the tiny random model (fp32): int8 0.98, int4 0.61 over 200 positions. A random model's
+# top-1 is fragile (bf16 alone agrees 0.95 with fp32 on the `mini` one); docs/quantization.md has the figures.
+@pytest.mark.parametrize("method, floor", [("int8", 0.95), ("int4", 0.5)])
+def test_paged_engine_serves_a_quantised_model(tiny_model, held, method, floor) -> None:
+    from engines.sampling_params import SamplingParams
+
+    ids, reference = held
+    engine = local_engine(tiny_model, "paged", quantize=method)
+    assert engine.runner.model.layers[0].mlp.down_proj.weight.method == method
+    agreement = (_top1(engine, ids) == reference).float().mean().item()
+    print(f"{method}: teacher-forced top-1 agreement {agreement:.3f} over {len(ids)} positions")
+    assert agreement >= floor
+    prompts = [ids[:12], ids[20:27], ids[40:57]]
+    outputs = drive_engine(engine, [(f"r{i}", p, SamplingParams(max_new_tokens=8)) for i, p in enumerate(prompts)])
+    assert all(len(output_tokens(outputs[f"r{i}"])) == 8 for i in range(len(prompts)))
+
+
+@pytest.mark.parametrize("method", [None, "int8", "int4"])
+def test_plan_counts_the_quantised_bytes_the_engine_holds(tiny_model, method) -> None:
+    from container.planner import read_model_shape
+
+    shape = read_model_shape(str(tiny_model))
+    # q/k/v/o and gate/up/down of 2 layers: 2 · (64·16·12 + 3·64·128) = 73,728 of the 205,120 parameters
+    assert shape.linear_parameters == 73_728
+    planned = shape.weight_bytes_per_rank(1, 2, method)
+    # bf16: the rest at 2 bytes; int8: 1 byte + a 2-byte scale per 64-input row; int4: ½ + 2 · 2 bytes per 32
+    assert planned == {None: 410_240, "int8": 262_784 + 76_032, "int4": 262_784 + 46_080}[method]
+    held = local_engine(tiny_model, "paged", dtype="bf16", quantize=method).runner.weight_bytes
+    assert abs(planned - held) <= 0.01 * held, (planned, held)
+
+
+class _RowHalves(torch.nn.Module):
+    """A row-parallel weight as TP=2 holds it: each half of its input columns int8 on its own, summed."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.half = weight.shape[1] // 2
+        self.parts = torch.nn.ModuleList([Int8Weight(weight[:, :self.half]), Int8Weight(weight[:, self.half:])])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.parts[0](x[..., :self.half]) + self.parts[1](x[..., self.half:])
+
+
+def test_int8_at_tp2_is_each_shard_quantised(tiny_model, tmp_path) -> None:
+    """Each rank quantises its own shard: column-parallel rows as at TP=1, row-parallel halves with their
+    own scales. The TP=2 greedy tokens are those of a TP=1 model quantised the same way."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from engines.sampling_params import SamplingParams
+    from tests.support import ROOT
+
+    prompts, new = [[1] + [(7 * i + 3) % 1000 + 3 for i in range(n)] for n in (5, 17, 40)], 12
+    job, out = tmp_path / "job.json", tmp_path / "out.json"
+    job.write_text(json.dumps({"prompts": prompts, "new_tokens": new, "quantize": "int8"}))
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run(["mpirun", "--allow-run-as-root", "--bind-to", "none", "-np", "2", sys.executable, "-m",
+                           "tests.tp_families", str(out), str(job), str(tiny_model)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    engine = local_engine(tiny_model, "paged")
+    for m in engine.runner.model.modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+            weight = m.weight.data
+            del m.weight
+            m.weight = Int8Weight(weight) if isinstance(m, ColumnParallelLinear) else _RowHalves(weight)
+    outputs = drive_engine(engine, [(f"r{i}", p, SamplingParams(max_new_tokens=new)) for i, p in enumerate(prompts)])
+    assert json.loads(out.read_text())[str(tiny_model)] == [output_tokens(outputs[f"r{i}"]) for i in range(3)]
