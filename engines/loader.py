@@ -17,7 +17,8 @@ import time
 
 import torch
 
-from engines import load_cache
+from engines import load_cache, quant_load
+from engines.quant_checkpoint import read_checkpoint_quant
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ def checkpoint_files(model_dir: str) -> list[str]:
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool}
+           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 
 class SafetensorsFile:
@@ -132,7 +133,11 @@ def build_model(cls, spec, model_dir: str, comm, dtype: torch.dtype, device: tor
         torch.set_default_dtype(previous)
     files = checkpoint_files(model_dir)
     cache = source = None
-    if load_cache_dir:
+    quant = read_checkpoint_quant(spec.config)
+    if quant and load_cache_dir:
+        log.info("option.load_cache_dir: not used for a pre-quantised (%s) checkpoint; loading the safetensors "
+                 "files", quant.method)
+    elif load_cache_dir:
         cache = load_cache.cache_paths(load_cache_dir, model_dir, dtype, comm.rank, comm.world_size)
         source = load_cache.source_fingerprint(files)
         try:
@@ -143,7 +148,7 @@ def build_model(cls, spec, model_dir: str, comm, dtype: torch.dtype, device: tor
         except load_cache.CacheMiss as exc:
             level = logging.INFO if str(exc) == "no cache yet" else logging.WARNING
             log.log(level, "load cache %s: %s; loading the safetensors files and rebuilding it", cache[0], exc)
-    _fill_from_checkpoint(model, files, comm.rank, progress)
+    _fill_from_checkpoint(model, files, comm.rank, progress, quant, dtype)
     log.info("loaded %d file(s) in %.1f s (rank %d)", len(files), time.perf_counter() - started, comm.rank)
     if cache:
         nbytes = load_cache.write(model, *cache, source)
@@ -151,7 +156,8 @@ def build_model(cls, spec, model_dir: str, comm, dtype: torch.dtype, device: tor
     return model.eval()
 
 
-def _fill_from_checkpoint(model, files: list[str], rank: int, progress: bool) -> None:
+def _fill_from_checkpoint(model, files: list[str], rank: int, progress: bool, quant=None, dtype=None) -> None:
+    """quant: a pre-quantised checkpoint's format: its quantised linears load last (engines/quant_load.py)."""
     from tqdm import tqdm
 
     for p in model.parameters():
@@ -160,13 +166,22 @@ def _fill_from_checkpoint(model, files: list[str], rank: int, progress: bool) ->
     names = [name for ckpt in checkpoints for name in ckpt.tensors]
     bar = tqdm(total=len(names), desc="loading weights", disable=not progress or rank != 0, unit="tensor")
     unused = []
+    prefixes = quant_load.quantized_prefixes(names) if quant else set()
+    quantized: dict[str, dict] = {}  # prefix → suffix → reader of the whole tensor
     try:
         for ckpt in checkpoints:
             for name in ckpt.tensors:
                 reader = lambda idx, ckpt=ckpt, name=name: ckpt.read(name, idx)  # noqa: E731
-                if not model.load_weight(name, ckpt.shape(name), reader):
+                if quant_load.is_quantized_tensor(name, prefixes):
+                    prefix, _, suffix = name.rpartition(".")
+                    quantized.setdefault(prefix, {})[suffix] = lambda r=reader: r((slice(None),))
+                elif not model.load_weight(name, ckpt.shape(name), reader):
                     unused.append(name)
                 bar.update(1)
+        if quant:
+            done = quant_load.fill_quantized(model, quant, quantized, dtype)
+            log.info("%s checkpoint: %d quantised linears loaded (rank %d: %s)", quant.method, len(quantized), rank,
+                     ", ".join(f"{n} {how}" for how, n in sorted(done.items())) or "none used")
     finally:
         for ckpt in checkpoints:
             ckpt.close()

@@ -84,6 +84,17 @@ class Int8Weight(nn.Module):
         self.qweight = nn.Parameter(q, requires_grad=False)  # [out, in] int8
         self.scales = nn.Parameter(scales, requires_grad=False)  # [out]
 
+    @classmethod
+    def from_quantized(cls, q: torch.Tensor, scales: torch.Tensor) -> "Int8Weight":
+        """Already-quantised rows (a pre-quantised checkpoint's): q int8 [out, in], scales [out] in the
+        model dtype, W = q · scales[:, None]."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.out_features, self.in_features = q.shape
+        self.qweight = nn.Parameter(q.to(torch.int8).contiguous(), requires_grad=False)
+        self.scales = nn.Parameter(scales.contiguous(), requires_grad=False)
+        return self
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1]).contiguous()  # the kernel takes 2-D rows
         y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales)
@@ -104,6 +115,21 @@ class Int4Weight(nn.Module):
         pack, self._mm = INT4_KERNELS[weight.device.type]
         self.packed = nn.Parameter(pack(q, tiles), requires_grad=False)  # the kernel's layout
         self.scales_zeros = nn.Parameter(torch.stack([scales, zeros], dim=-1), requires_grad=False)  # [in/g, out, 2]
+
+    @classmethod
+    def from_quantized(cls, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) \
+            -> "Int4Weight":
+        """Already-quantised groups (a pre-quantised checkpoint's) in the kernels' convention: q in
+        0..15 [out, in], scales and zeros [in / g, out] in the model dtype, W = (q − 8) · s + z."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.out_features, self.in_features = out, k = q.shape
+        self.group_size = group_size
+        tiles = next(t for t in (8, 4, 2) if k % (16 * t) == 0)
+        pack, self._mm = INT4_KERNELS[q.device.type]
+        self.packed = nn.Parameter(pack(q.to(torch.int32).contiguous(), tiles), requires_grad=False)
+        self.scales_zeros = nn.Parameter(torch.stack([scales, zeros], dim=-1).contiguous(), requires_grad=False)
+        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1]).contiguous()

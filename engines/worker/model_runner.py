@@ -18,7 +18,8 @@ from engines.config import ModelConfig
 from engines.dist import Communicator, SingleProcess
 from engines.layers.fused import FusedOps
 from engines.layers.linear import choose_cpu_matmul
-from engines.layers.quant import quantize_linears
+from engines.layers.quant import METHODS as QUANTIZE_AT_LOAD, quantize_linears
+from engines.quant_checkpoint import check_quantize_option, read_checkpoint_quant
 from engines.loader import build_model, parameter_bytes, torch_dtype
 from engines.startup import TIMELINE, throughput
 from engines.models.registry import attention_interface_supported, fallback_reason, model_class
@@ -49,6 +50,11 @@ class ModelRunner:
         self.dtype = torch_dtype(self.config.dtype, spec.checkpoint_dtype)
         cfg = self.config
         cls = None if cfg.trust_remote_code or cfg.model_impl == "transformers" else model_class(spec)
+        quant = read_checkpoint_quant(spec.config)
+        check_quantize_option(cfg.quantize, quant)
+        if quant and cls is None:
+            raise ValueError(f"a {quant.method} checkpoint loads on our model code only, and {spec.architecture} runs "
+                             "on the transformers fallback; serve its unquantised checkpoint")
         if cls is not None:
             self.model = build_model(cls, spec, cfg.local_dir, self.comm, self.dtype, self.device,
                                      load_cache_dir=cfg.load_cache_dir)
@@ -56,7 +62,7 @@ class ModelRunner:
             self.num_kv_heads, self.head_dim = self.model.num_kv_heads, self.model.head_dim
             self.layer_options = self._layer_options()
             self.is_native = self.owns_kv = True
-            if cfg.quantize:
+            if cfg.quantize in QUANTIZE_AT_LOAD:  # else a pre-quantised checkpoint's method, loaded as it is
                 self._quantize(cfg.quantize)
             if self.device.type == "cpu" and self.dtype == torch.bfloat16:
                 self._choose_cpu_matmul(spec)

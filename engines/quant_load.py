@@ -1,0 +1,202 @@
+"""Loading a pre-quantised checkpoint into our model code (engines/quant_checkpoint.py reads its format).
+
+Packed where a kernel exists (4-bit groups of 32·2^k inputs or whole rows → Int4Weight, 8-bit
+symmetric rows → Int8Weight; engines/layers/quant.py). Each checkpoint linear is decoded whole
+(engines/layers/quant_formats.py: codes q, scales s, zero points z), and the model's own loading code
+(the load_weight that reads a bf16 checkpoint: TP shards, fused q/k/v and gate/up) copies this
+rank's part of each into capture tensors standing in for the linear's weight:
+
+    pass q: weight ← [out_l, in_l]  codes (fp16 holds 0..255 exactly)
+    pass s: weight ← [out_l, G_l]   scales: a row-parallel shard's inputs lo:hi are groups lo/g : hi/g
+    pass z: weight ← [out_l, G_l]   zero points
+
+then each linear packs its shard in the kernel's convention, (q − z)·s = (q − 8)·s + (8 − z)·s. Every
+other parameter stands aside meanwhile (a zero-size stand-in), so a quantised tensor whose target is
+not a parallel linear (a quantised LM head) fails there and loads dequantised instead.
+
+Dequantised to the model dtype, with a log line saying why: fp8 weights (no fp8 kernel here yet, CPU
+or CUDA), act-order GPTQ, 8-bit groups, and any shard whose shape the int4 kernel cannot take.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Callable
+
+import torch
+from torch import nn
+
+from engines.layers.linear import ColumnParallelLinear, RowParallelLinear
+from engines.layers.quant import INT4_KERNELS, INT4_ROWS_MULTIPLE, Int4Weight, Int8Weight
+from engines.layers.quant_formats import decode, decode_gptq_act_order, dequantize
+from engines.quant_checkpoint import CheckpointQuant
+
+log = logging.getLogger(__name__)
+
+MARKERS = ("qweight", "weight_packed", "weight_scale", "weight_scale_inv")  # a quantised linear has one
+IGNORED = ("input_scale", "output_scale", "k_scale", "v_scale")  # activation scales: activations stay unquantised
+Reader = Callable[[], torch.Tensor]  # the whole checkpoint tensor
+
+
+def quantized_prefixes(names) -> set[str]:
+    return {n.rpartition(".")[0] for n in names if n.rpartition(".")[2] in MARKERS}
+
+
+def is_quantized_tensor(name: str, prefixes: set[str]) -> bool:
+    prefix, _, suffix = name.rpartition(".")
+    return prefix in prefixes and suffix != "bias"
+
+
+def dequantize_reason(quant: CheckpointQuant, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why this checkpoint's weights dequantise on load (no packed kernel for them here); None: they pack."""
+    if quant.method == "fp8" or quant.layout == "float-quantized":
+        return f"fp8 weights: no fp8 kernel on {device.type} in lmi-serve yet"
+    if quant.desc_act:
+        return "act-order GPTQ (desc_act): each input's group is permuted, which no packed kernel here takes"
+    if quant.bits == 8 and quant.group_size:
+        return f"8-bit weights in groups of {quant.group_size}: the int8 kernel takes one scale per output row"
+    if quant.bits == 4 and quant.group_size and quant.group_size % 32:
+        return f"4-bit groups of {quant.group_size}: the int4 kernel takes groups of 32, 64, 128 or 256 inputs"
+    if device.type not in INT4_KERNELS:
+        return f"no packed kernel on {device.type}"
+    if quant.bits == 4 and device.type == "cuda" and dtype != torch.bfloat16:
+        return f"CUDA's int4 kernel takes bf16 activations only, not {dtype}"
+    return None
+
+
+def fill_quantized(model: nn.Module, quant: CheckpointQuant, tensors: dict[str, dict[str, Reader]],
+                   dtype: torch.dtype) -> Counter:
+    """Load every quantised linear (`tensors`: prefix → suffix → reader) into `model`, whose other
+    weights are already loaded. → how many linears ended each way (int4, int8, dequantised)."""
+    if any(p.dim() == 3 for p in model.parameters()):
+        raise ValueError(f"a {quant.method} checkpoint of a model with stacked MoE experts: pre-quantised experts "
+                         "do not load yet; serve the bf16 checkpoint (option.quantize=int8 or int4 for the rest)")
+    device = next(model.parameters()).device
+    why = dequantize_reason(quant, device, dtype)
+    if why:
+        log.warning("%s checkpoint: dequantising its weights to %s on load (%s); they take the memory of an "
+                    "unquantised model", quant.method, dtype, why)
+        return _fill_dequantized(model, quant, tensors)
+    return _fill_packed(model, quant, tensors, dtype)
+
+
+def _read_all(readers: dict[str, Reader]) -> dict[str, torch.Tensor]:
+    return {suffix: read() for suffix, read in readers.items() if suffix not in IGNORED}
+
+
+def _fill_dequantized(model: nn.Module, quant: CheckpointQuant, tensors: dict[str, dict[str, Reader]]) -> Counter:
+    done = Counter()  # counts checkpoint linears here (their fused targets are not known)
+    for prefix, readers in tensors.items():
+        t = _read_all(readers)
+        w = decode_gptq_act_order(quant, t) if quant.desc_act else decode(quant, t, prefix).dequantize()
+        if model.load_weight(prefix + ".weight", list(w.shape), lambda idx, w=w: w[idx]):
+            done["dequantised"] += 1
+        else:
+            log.warning("unused quantised checkpoint linear: %s", prefix)
+    return done
+
+
+def _group_columns(t: torch.Tensor, index: tuple, group: int | None, prefix: str) -> torch.Tensor:
+    """Scales or zeros [out, G] read with a weight's index: input columns lo:hi → groups lo/g : hi/g."""
+    cols = index[1] if len(index) > 1 else slice(None)
+    if cols == slice(None) or t.shape[1] == 1:
+        return t[index[0]]
+    lo, hi = cols.start, cols.stop
+    if lo % group or hi % group:
+        raise ValueError(f"{prefix}: this rank's input columns {lo}:{hi} split a quantisation group of {group} "
+                         f"inputs; choose an option.tensor_parallel_degree that divides its {t.shape[1]} groups")
+    return t[index[0], lo // group:hi // group]
+
+
+def _fill_packed(model: nn.Module, quant: CheckpointQuant, tensors: dict[str, dict[str, Reader]],
+                 dtype: torch.dtype) -> Counter:
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
+    originals = {name: m.weight for name, m in linears.items()}
+    group = quant.group_size
+
+    def capture(shape, kind, device):  # NaN: what no checkpoint tensor filled
+        return nn.Parameter(torch.full(shape, float("nan"), dtype=kind, device=device), requires_grad=False)
+
+    caps = {}
+    for name, w in originals.items():
+        out_l, in_l = w.shape
+        groups = in_l // group if group else 1
+        caps[name] = [capture((out_l, in_l), torch.float16, w.device), capture((out_l, groups), torch.float32, w.device),
+                      capture((out_l, groups), torch.float32, w.device)]
+    aside = _stand_aside(model, linears)
+    fallback = []
+    try:
+        for prefix, readers in tensors.items():
+            d = decode(quant, _read_all(readers), prefix)
+            stages = [lambda idx, d=d: d.q[idx].to(torch.float16),
+                      lambda idx, d=d, p=prefix: _group_columns(d.scales, idx, group, p),
+                      lambda idx, d=d, p=prefix: _group_columns(d.zeros, idx, group, p)]
+            for stage, reader in enumerate(stages):
+                for name, m in linears.items():
+                    m.weight = caps[name][stage]
+                try:
+                    used = model.load_weight(prefix + ".weight", list(d.q.shape), reader)
+                except (RuntimeError, AssertionError, IndexError):  # its target is no parallel linear
+                    fallback.append((prefix, d))
+                    break
+                if not used:
+                    log.warning("unused quantised checkpoint linear: %s", prefix)
+                    break
+    finally:
+        for name, m in linears.items():
+            m.weight = originals[name]
+        for module, key, p in aside:
+            module._parameters[key] = p
+    for prefix, d in fallback:  # e.g. a quantised LM head: into its own weight, dequantised
+        w = d.dequantize()
+        model.load_weight(prefix + ".weight", list(w.shape), lambda idx, w=w: w[idx])
+        log.warning("%s: quantised in the checkpoint, loaded dequantised to %s (no packed form for it)", prefix, dtype)
+    done = Counter({"dequantised": len(fallback)} if fallback else {})
+    for name, m in linears.items():
+        q, s, z = caps.pop(name)
+        missing = torch.isnan(q)
+        if missing.all():
+            continue  # not quantised in the checkpoint: its weight loaded as it is
+        if missing.any() or torch.isnan(s).any() or torch.isnan(z).any():
+            raise ValueError(f"{name}: the checkpoint quantises some of its fused parts and not others")
+        packed, how = pack_shard(q, s, z, group, quant.bits, dtype)
+        done[how] += 1
+        del m.weight
+        m.weight = packed
+    if done["dequantised"]:
+        log.warning("%s checkpoint: %d linear shards dequantised to %s (shapes the packed kernels cannot take)",
+                    quant.method, done["dequantised"], dtype)
+    return done
+
+
+def _stand_aside(model: nn.Module, linears: dict[str, nn.Module]) -> list:
+    """Swap every parameter but the linears' weights for a zero-size stand-in; → what to put back."""
+    aside, linear_modules = [], set(map(id, linears.values()))
+    for module in model.modules():
+        for key, p in list(module._parameters.items()):
+            if p is None or (id(module) in linear_modules and key == "weight"):
+                continue
+            aside.append((module, key, p))
+            module._parameters[key] = nn.Parameter(torch.empty(0, dtype=p.dtype, device=p.device), requires_grad=False)
+    return aside
+
+
+def pack_shard(q: torch.Tensor, s: torch.Tensor, z: torch.Tensor, group: int | None, bits: int,
+               dtype: torch.dtype) -> tuple[nn.Module | nn.Parameter, str]:
+    """One linear shard's codes q [out, in], scales and zeros [out, G] → its packed weight (or, where no
+    kernel takes the shape, the dequantised weight) and which it is: int4 | int8 | dequantised."""
+    out, k = q.shape
+    span = group if s.shape[1] > 1 else k  # inputs per scale
+    if bits == 4:
+        rows = INT4_ROWS_MULTIPLE if q.device.type == "cpu" else 8
+        kernel_group = next((g for g in (256, 128, 64, 32) if span % g == 0 and k % g == 0), None)
+        if kernel_group and out % rows == 0:
+            r = span // kernel_group  # a checkpoint group of r kernel groups: its scale repeated
+            scales = s.repeat_interleave(r, dim=1)
+            zeros = ((8 - z) * s).repeat_interleave(r, dim=1)  # (q − z)·s = (q − 8)·s + (8 − z)·s
+            return Int4Weight.from_quantized(q.to(torch.int32), scales.t().to(dtype), zeros.t().to(dtype),
+                                             kernel_group), "int4"
+    if bits == 8 and s.shape[1] == 1 and bool((z == 128).all()):
+        return Int8Weight.from_quantized((q.to(torch.int32) - 128).to(torch.int8), s[:, 0].to(dtype)), "int8"
+    return nn.Parameter(dequantize(q, s, z, span).to(dtype), requires_grad=False), "dequantised"

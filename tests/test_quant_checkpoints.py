@@ -1,0 +1,216 @@
+"""Pre-quantised checkpoints (engines/quant_checkpoint.py, engines/quant_load.py): each format of the tiny
+model (tests/quant_ckpt.py writes them) served by our engines gives the greedy tokens of its oracle:
+transformers itself on the same file for compressed-tensors (it decompresses them), and for GPTQ, AWQ
+and fp8 (whose libraries do not install here) transformers on the checkpoint dequantised by the plain
+decoder below, written independently of engines/layers/quant_formats.py."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import pytest
+import torch
+
+from engines.layers.quant import Int4Weight, Int8Weight
+from tests import quant_ckpt
+from tests.support import drive_engine, hf_oracle, local_engine, output_tokens
+
+PROMPTS = [[1] + [(7 * i + 3) % 1000 + 3 for i in range(n)] for n in (5, 17, 40)]
+NEW_TOKENS = 10
+
+
+def _engine_tokens(model_dir, kind: str = "paged", **kw) -> tuple[list[list[int]], object]:
+    from engines.sampling_params import SamplingParams
+
+    engine = local_engine(model_dir, kind, **kw)
+    outputs = drive_engine(engine, [(f"r{i}", p, SamplingParams(max_new_tokens=NEW_TOKENS))
+                                    for i, p in enumerate(PROMPTS)])
+    return [output_tokens(outputs[f"r{i}"]) for i in range(len(PROMPTS))], engine.runner.model
+
+
+def _oracle_tokens(model_dir) -> list[list[int]]:
+    generate = hf_oracle(str(model_dir))
+    return [generate(p, NEW_TOKENS) for p in PROMPTS]
+
+
+# -- a plain decoder: one value at a time out of each int32 word ---------------------------------------
+def _field(words: torch.Tensor, slot: int, bits: int) -> torch.Tensor:
+    return (words.long() & 0xFFFFFFFF) >> (bits * slot) & ((1 << bits) - 1)
+
+
+def _reference_weight(cfg: dict, t: dict[str, torch.Tensor]) -> torch.Tensor:
+    method = cfg["quant_method"]
+    if method == "fp8":
+        bo, bi = cfg["weight_block_size"]
+        s = t["weight_scale_inv"].repeat_interleave(bo, 0).repeat_interleave(bi, 1)
+        return t["weight"].float() * s
+    bits = cfg["bits"]
+    per = 32 // bits
+    qw, qz, scales = t["qweight"], t["qzeros"], t["scales"].float()  # scales [G, out]
+    if method == "gptq":
+        q = torch.empty(qw.shape[0] * per, qw.shape[1], dtype=torch.long)  # [in, out]
+        z = torch.empty(qz.shape[0], qz.shape[1] * per, dtype=torch.long)  # [G, out]
+        for j in range(per):
+            q[j::per] = _field(qw, j, bits)
+            z[:, j::per] = _field(qz, j, bits)
+        if cfg.get("checkpoint_format", "gptq") == "gptq":
+            z = (z + 1) % (1 << bits)
+        g = t["g_idx"].long()
+    else:  # awq: slot j of word c is output 8c + order[j]
+        q = torch.empty(qw.shape[0], qw.shape[1] * 8, dtype=torch.long)
+        z = torch.empty(qz.shape[0], qz.shape[1] * 8, dtype=torch.long)
+        for j, o in enumerate(quant_ckpt.AWQ_ORDER):
+            q[:, o::8] = _field(qw, j, 4)
+            z[:, o::8] = _field(qz, j, 4)
+        g = torch.arange(q.shape[0]) // cfg["group_size"]
+    return ((q - z[g]).float() * scales[g]).t()  # [out, in]
+
+
+def _dequantised_copy(quantised: str, out: str) -> str:
+    """The checkpoint with every quantised linear replaced by its plain-decoded float32 weight."""
+    from safetensors.torch import load_file
+
+    with open(os.path.join(quantised, "config.json"), encoding="utf-8") as f:
+        cfg = json.load(f)["quantization_config"]
+    state = load_file(os.path.join(quantised, "model.safetensors"))
+    prefixes = {n.rsplit(".", 1)[0] for n in state if n.endswith((".qweight", ".weight_scale_inv"))}
+    dense = {n: v for n, v in state.items() if n.rsplit(".", 1)[0] not in prefixes}
+    for p in prefixes:
+        dense[p + ".weight"] = _reference_weight(cfg, {n.rsplit(".", 1)[1]: v for n, v in state.items()
+                                                       if n.rsplit(".", 1)[0] == p})
+    quant_ckpt._write(quantised, out, dense, None)
+    return out
+
+
+WRITERS = {
+    "gptq-int4-sym": lambda src, out: quant_ckpt.write_gptq(src, out, bits=4, group=32, sym=True),
+    "gptq_v2-int4-asym-g64": lambda src, out: quant_ckpt.write_gptq(src, out, bits=4, group=64, sym=False,
+                                                                    version="gptq_v2"),
+    "gptq-int8-channel": lambda src, out: quant_ckpt.write_gptq(src, out, bits=8, group=-1, sym=True),
+    "awq-int4": lambda src, out: quant_ckpt.write_awq(src, out, group=32),
+    "gptq-act-order": lambda src, out: quant_ckpt.write_gptq(src, out, bits=4, group=32, desc_act=True),
+    "fp8-block": lambda src, out: quant_ckpt.write_fp8(src, out, block=(32, 32)),
+}
+PACKED_AS = {"gptq-int4-sym": Int4Weight, "gptq_v2-int4-asym-g64": Int4Weight, "gptq-int8-channel": Int8Weight,
+             "awq-int4": Int4Weight, "gptq-act-order": torch.Tensor, "fp8-block": torch.Tensor}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tiny_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("quantised")
+    made = {}
+    for name, write in WRITERS.items():
+        write(str(tiny_model), str(root / name))
+        made[name] = root / name
+    return made
+
+
+@pytest.mark.parametrize("name", list(WRITERS))
+def test_gptq_awq_fp8_give_the_dequantised_reference_greedy_tokens(checkpoints, tmp_path, caplog, name) -> None:
+    with caplog.at_level(logging.INFO):
+        tokens, model = _engine_tokens(checkpoints[name])
+    assert isinstance(model.layers[0].mlp.down_proj.weight, PACKED_AS[name])
+    assert isinstance(model.layers[1].self_attn.qkv_proj.weight, PACKED_AS[name])  # q, k, v fused
+    if PACKED_AS[name] is torch.Tensor:
+        assert any("dequantising its weights to torch.float32 on load" in r.getMessage() for r in caplog.records)
+    reference = _oracle_tokens(_dequantised_copy(str(checkpoints[name]), str(tmp_path / "reference")))
+    assert tokens == reference
+
+
+def test_the_padded_engine_serves_a_gptq_checkpoint(checkpoints, tmp_path) -> None:
+    tokens, model = _engine_tokens(checkpoints["gptq-int4-sym"], kind="rolling")
+    assert isinstance(model.layers[0].self_attn.o_proj.weight, Int4Weight)
+    assert tokens == _oracle_tokens(_dequantised_copy(str(checkpoints["gptq-int4-sym"]), str(tmp_path / "ref")))
+
+
+CT_SCHEMES = {"w4a16": Int4Weight, "w8-channel": Int8Weight, "fp8-channel": torch.Tensor}
+
+
+@pytest.mark.parametrize("scheme", list(CT_SCHEMES))
+def test_compressed_tensors_give_transformers_greedy_tokens_on_the_same_file(tiny_model, tmp_path, caplog,
+                                                                              scheme) -> None:
+    out = tmp_path / scheme
+    quant_ckpt.write_compressed_tensors(str(tiny_model), str(out), scheme)
+    with caplog.at_level(logging.INFO):
+        tokens, model = _engine_tokens(out, quantize="compressed-tensors")
+    assert isinstance(model.layers[0].mlp.gate_up_proj.weight, CT_SCHEMES[scheme])
+    if scheme.startswith("fp8"):
+        assert any("fp8 weights: no fp8 kernel on cpu" in r.getMessage() for r in caplog.records)
+    assert tokens == _oracle_tokens(out)  # transformers decompresses the file with compressed_tensors
+
+
+def test_asymmetric_compressed_tensors_match_the_librarys_own_decompression(tiny_model, tmp_path) -> None:
+    """transformers 5.24 cannot load this file (its packed zero points mismatch the shapes it
+    expects), so the oracle is compressed_tensors' own unpack + dequantize, run through HF generate."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from safetensors.torch import load_file
+
+    out = tmp_path / "w4a16-asym"
+    quant_ckpt.write_compressed_tensors(str(tiny_model), str(out), "w4a16-asym")
+    tokens, model = _engine_tokens(out)
+    assert isinstance(model.layers[0].mlp.down_proj.weight, Int4Weight)
+    state = load_file(str(out / "model.safetensors"))
+    dense = {n: v for n, v in state.items() if not n.rsplit(".", 1)[1].startswith("weight_")}
+    for name in [n for n in state if n.endswith(".weight_packed")]:
+        p = name[: -len(".weight_packed")]
+        shape = torch.Size(state[p + ".weight_shape"].tolist())
+        q = unpack_from_int32(state[name], 4, shape).float()  # signed
+        zp = unpack_from_int32(state[p + ".weight_zero_point"], 4, (shape[0], state[p + ".weight_scale"].shape[1]),
+                               packed_dim=0).float()
+        g = torch.arange(shape[1]) // 32
+        dense[p + ".weight"] = (q - zp[:, g]) * state[p + ".weight_scale"][:, g]
+    quant_ckpt._write(str(out), str(tmp_path / "ref"), dense, None)
+    assert tokens == _oracle_tokens(tmp_path / "ref")
+
+
+def test_refusals_name_what_runs_instead(tiny_model, checkpoints, tmp_path) -> None:
+    from engines.quant_checkpoint import read_checkpoint_quant
+
+    with pytest.raises(ValueError, match=r"pre-quantised with bitsandbytes' NF4/FP4/int8 layouts .* does not load; "
+                                         r"serve the unquantised"):
+        read_checkpoint_quant({"quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}})
+    with pytest.raises(ValueError, match="quantised activations"):
+        read_checkpoint_quant({"quantization_config": {"quant_method": "compressed-tensors", "format": "int-quantized",
+                                                       "config_groups": {"g": {"weights": {"num_bits": 8},
+                                                                               "input_activations": {"num_bits": 8}}}}})
+    with pytest.raises(ValueError, match=r"option.quantize=int8: this checkpoint is already quantised with gptq .*"
+                                         r"set option.quantize=gptq or unset it"):
+        local_engine(checkpoints["gptq-int4-sym"], "paged", quantize="int8")
+    with pytest.raises(ValueError, match=r"option.quantize=awq loads a checkpoint pre-quantised with awq, and this "
+                                         r"one's config.json has no quantization_config"):
+        local_engine(tiny_model, "paged", quantize="awq")
+
+
+def test_a_tp_shard_inside_a_group_is_refused() -> None:
+    from engines.quant_load import _group_columns
+
+    scales = torch.ones(8, 4)  # 4 groups of 32 inputs
+    assert _group_columns(scales, (slice(0, 8), slice(64, 128)), 32, "x").shape == (8, 2)
+    with pytest.raises(ValueError, match=r"x: this rank's input columns 48:96 split a quantisation group of 32"):
+        _group_columns(scales, (slice(0, 8), slice(48, 96)), 32, "x")
+
+
+def test_gptq_and_compressed_tensors_at_tp2_give_the_reference_greedy_tokens(tiny_model, checkpoints,
+                                                                             tmp_path) -> None:
+    """One mpirun job, two models: each rank packs its shard (column-parallel rows; row-parallel input
+    halves, whole groups each) and the TP=2 tokens are the oracle's."""
+    import subprocess
+    import sys
+
+    from tests.support import ROOT
+
+    ct = tmp_path / "ct-w4a16"
+    quant_ckpt.write_compressed_tensors(str(tiny_model), str(ct), "w4a16")
+    dirs = [str(checkpoints["gptq-int4-sym"]), str(ct)]
+    job, out = tmp_path / "job.json", tmp_path / "out.json"
+    job.write_text(json.dumps({"prompts": PROMPTS, "new_tokens": NEW_TOKENS}))
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run(["mpirun", "--allow-run-as-root", "--bind-to", "none", "-np", "2", sys.executable, "-m",
+                           "tests.tp_families", str(out), str(job), *dirs], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got[dirs[0]] == _oracle_tokens(_dequantised_copy(dirs[0], str(tmp_path / "ref")))
+    assert got[dirs[1]] == _oracle_tokens(ct)
