@@ -23,6 +23,7 @@ from engines.config import (
 from engines.core.modes import scheduling_mode
 from engines.models import registry
 from engines.models.spec import ModelSpec
+from engines.quant_checkpoint import check_quantize_option, read_checkpoint_quant
 
 log = logging.getLogger(__name__)
 
@@ -295,9 +296,20 @@ def build(cfg: ResolvedConfig, *, local_dir: str, spec: ModelSpec | None,
 
 
 def quantized_dtype(cfg: ResolvedConfig, num_gpus: int, fallback: str | None, spec: ModelSpec | None) -> str:
-    """The model dtype, checked against option.quantize: quantisation runs on our model code only, and
-    int4 on CUDA in bf16 only (bf16 when option.dtype is unset)."""
+    """The model dtype, checked against option.quantize and the checkpoint's own quantization_config:
+    quantisation runs on our model code only, and int4 on CUDA in bf16 only (bf16 when option.dtype is
+    unset); a pre-quantised checkpoint takes option.quantize unset or its own method."""
     method, dtype = cfg["option.quantize"], cfg["option.dtype"]
+    try:
+        quant = read_checkpoint_quant(spec.config) if spec else None  # unknown before download: checked at load
+        check_quantize_option(method, quant)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if quant and fallback:
+        raise ConfigError(f"a {quant.method} checkpoint loads on our model code only, and {spec.architecture} runs "
+                          f"on the transformers fallback ({fallback}); serve its unquantised checkpoint")
+    if quant and quant.bits == 4 and num_gpus and not dtype:
+        return "bf16"  # CUDA's int4 kernel takes bf16 only (fp16 would dequantise the weights)
     if method and fallback:
         raise ConfigError(f"option.quantize={method} quantises the linear layers of our model code, and "
                           f"{spec.architecture if spec else 'this model'} runs on the transformers fallback "

@@ -16,10 +16,11 @@ from container.preflight import read_safetensors_header
 from engines.config import ENGINE_PAGED, memory_bytes
 from engines.memory_plan import Machine, ModelShape, Plan, Workload, available_ram, count, gib
 from engines.models.spec import ModelSpec
+from engines.quant_checkpoint import read_checkpoint_quant
 
 TORCH_DTYPE_NAMES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 _ELEMENT_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-                  "BOOL": 1}
+                  "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
 
 def read_model_shape(local_dir: str, max_model_len_override: int | None = None,
@@ -29,12 +30,17 @@ def read_model_shape(local_dir: str, max_model_len_override: int | None = None,
     shape = dict(hidden_size=spec.hidden_size, num_layers=spec.num_layers, num_heads=spec.num_heads,
                  num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, intermediate_size=spec.intermediate_size,
                  vocab_size=spec.vocab_size)
-    counted = count_checkpoint_parameters(local_dir)
+    try:
+        quant = read_checkpoint_quant(spec.config)
+    except ValueError:  # a format that does not load: the start refuses it; plan it as unquantised
+        quant = None
+    counted = count_checkpoint_parameters(local_dir, quant)
     total, replicated, linears = counted if counted else (*estimate_parameters(spec.config, **shape),
                                                           estimate_linear_parameters(spec.config, **shape))
     dtype = TORCH_DTYPE_NAMES.get(str(spec.checkpoint_dtype or "float32"), "fp32")
     return ModelShape(architecture=spec.architecture, num_parameters=total, replicated_parameters=replicated,
-                      max_model_len=spec.max_model_len, checkpoint_dtype=dtype, linear_parameters=linears, **shape)
+                      max_model_len=spec.max_model_len, checkpoint_dtype=dtype, linear_parameters=linears,
+                      checkpoint_quant=quant, **shape)
 
 
 # a decoder layer's tensor (Llama-style `layers.N.`, Falcon's `h.N.`); of those, what option.quantize leaves
@@ -48,9 +54,16 @@ def is_quantized_linear(name: str, shape: list[int]) -> bool:
     return len(shape) == 2 and bool(_DECODER_TENSOR.search(name)) and not _NOT_QUANTIZED.search(name)
 
 
-def count_checkpoint_parameters(local_dir: str) -> tuple[int, int, int] | None:
+# a pre-quantised checkpoint's tensors: packed weights (32 / bits values per int32) and their bookkeeping
+_PACKED = ("qweight", "weight_packed")
+_QUANT_BOOKKEEPING = ("qzeros", "scales", "g_idx", "weight_scale", "weight_zero_point", "weight_shape",
+                      "weight_scale_inv", "input_scale", "output_scale", "weight_g_idx")
+
+
+def count_checkpoint_parameters(local_dir: str, quant=None) -> tuple[int, int, int] | None:
     """(all parameters, those of 1-D tensors, those of quantisable linears) from the safetensors
-    headers; None without any."""
+    headers; None without any. quant: a pre-quantised checkpoint's format: its packed weights count
+    the values they hold, their scales and zero points not at all."""
     paths = sorted(glob.glob(os.path.join(local_dir, "*.safetensors")))
     if not paths:
         return None
@@ -60,6 +73,11 @@ def count_checkpoint_parameters(local_dir: str) -> tuple[int, int, int] | None:
             numel = 1
             for d in meta["shape"]:
                 numel *= d
+            prefix, _, suffix = name.rpartition(".")
+            if quant is not None and suffix in _QUANT_BOOKKEEPING:
+                continue
+            if quant is not None and suffix in _PACKED:
+                numel, name = numel * (32 // quant.bits), prefix + ".weight"
             total += numel
             replicated += numel if len(meta["shape"]) <= 1 else 0
             linears += numel if is_quantized_linear(name, meta["shape"]) else 0
@@ -125,7 +143,9 @@ def workload(resolved, shape: ModelShape, machine: Machine, engine_kind: str, *,
 def summary(p: Plan) -> str:
     """One line: what runs where, the two big numbers, and the verdict."""
     w = p.workload
-    dtype = f"{w.dtype} ({w.quantize} linears)" if w.quantize else w.dtype
+    q = p.shape.checkpoint_quant
+    dtype = f"{w.dtype} ({w.quantize} linears)" if w.quantize in ("int8", "int4") else \
+        f"{w.dtype} ({q.method} {q.bits}-bit linears)" if q else w.dtype
     head = (f"plan: {p.shape.architecture} {count(p.shape.num_parameters)} parameters, {dtype}, "
             f"TP {w.tensor_parallel_degree} on {p.machine.name}: weights {gib(p.weight_bytes)}/rank, KV cache "
             f"{p.kv_tokens:,} tokens ({p.kv_bytes_per_token:,} bytes/token/rank), {p.max_concurrent_seqs:,} "
@@ -140,8 +160,9 @@ def table(p: Plan) -> list[str]:
             ("parameters", f"{s.num_parameters:,}"),
             ("machine", p.machine.name),
             ("dtype / tensor_parallel_degree", f"{w.dtype} / {w.tensor_parallel_degree}"),
-            ("option.quantize", f"{w.quantize}: {count(s.linear_parameters)} linear parameters" if w.quantize
-             else "none"),
+            ("option.quantize", f"{w.quantize}: {count(s.linear_parameters)} linear parameters"
+             if w.quantize in ("int8", "int4") else f"pre-quantised {s.checkpoint_quant.method} checkpoint: "
+             f"{count(s.linear_parameters)} linear parameters" if s.checkpoint_quant else "none"),
             ("usable memory per rank", f"{gib(p.usable_bytes)} ({p.usable_bytes:,} bytes)"),
             ("weights per rank", f"{gib(p.weight_bytes)} ({p.weight_bytes:,} bytes)"),
             ("activation/workspace headroom", f"{gib(p.headroom_bytes)} ({p.headroom_bytes:,} bytes)"),

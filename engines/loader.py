@@ -157,36 +157,48 @@ def build_model(cls, spec, model_dir: str, comm, dtype: torch.dtype, device: tor
 
 
 def _fill_from_checkpoint(model, files: list[str], rank: int, progress: bool, quant=None, dtype=None) -> None:
-    """quant: a pre-quantised checkpoint's format: its quantised linears load last (engines/quant_load.py)."""
+    """quant: a pre-quantised checkpoint's format (engines/quant_load.py): its quantised linears are
+    packed first, before the linears' own weights are ever touched; those no kernel takes load last,
+    dequantised."""
     from tqdm import tqdm
 
-    for p in model.parameters():
-        p.data.fill_(float("nan"))  # anything the checkpoint does not fill shows up below
     checkpoints = [SafetensorsFile(path) for path in files]
     names = [name for ckpt in checkpoints for name in ckpt.tensors]
-    bar = tqdm(total=len(names), desc="loading weights", disable=not progress or rank != 0, unit="tensor")
-    unused = []
     prefixes = quant_load.quantized_prefixes(names) if quant else set()
     quantized: dict[str, dict] = {}  # prefix → suffix → reader of the whole tensor
+    plain = []
+    for ckpt in checkpoints:
+        for name in ckpt.tensors:
+            reader = lambda idx, ckpt=ckpt, name=name: ckpt.read(name, idx)  # noqa: E731
+            if quant_load.is_quantized_tensor(name, prefixes):
+                prefix, _, suffix = name.rpartition(".")
+                quantized.setdefault(prefix, {})[suffix] = lambda r=reader: r((slice(None),))
+            else:
+                plain.append((name, ckpt.shape(name), reader))
+    bar = tqdm(total=len(names), desc="loading weights", disable=not progress or rank != 0, unit="tensor")
+    unused = []
     try:
-        for ckpt in checkpoints:
-            for name in ckpt.tensors:
-                reader = lambda idx, ckpt=ckpt, name=name: ckpt.read(name, idx)  # noqa: E731
-                if quant_load.is_quantized_tensor(name, prefixes):
-                    prefix, _, suffix = name.rpartition(".")
-                    quantized.setdefault(prefix, {})[suffix] = lambda r=reader: r((slice(None),))
-                elif not model.load_weight(name, ckpt.shape(name), reader):
-                    unused.append(name)
-                bar.update(1)
+        done, leftovers = quant_load.pack_quantized(model, quant, quantized, dtype) if quant else ({}, {})
+        packed = quant_load.packed_parameters(model)
+        bar.update(len(names) - len(plain) - sum(map(len, leftovers.values())))
+        for p in model.parameters():
+            if id(p) not in packed:
+                p.data.fill_(float("nan"))  # anything the checkpoint does not fill shows up below
+        for name, shape, reader in plain:
+            if not model.load_weight(name, shape, reader):
+                unused.append(name)
+            bar.update(1)
+        if leftovers:
+            done["dequantised"] = done.get("dequantised", 0) + quant_load.load_dequantized(model, quant, leftovers)
+            bar.update(sum(map(len, leftovers.values())))
         if quant:
-            done = quant_load.fill_quantized(model, quant, quantized, dtype)
             log.info("%s checkpoint: %d quantised linears loaded (rank %d: %s)", quant.method, len(quantized), rank,
                      ", ".join(f"{n} {how}" for how, n in sorted(done.items())) or "none used")
     finally:
         for ckpt in checkpoints:
             ckpt.close()
     bar.close()
-    missing = [n for n, p in model.named_parameters() if torch.isnan(p).any()]
+    missing = [n for n, p in model.named_parameters() if id(p) not in packed and torch.isnan(p).any()]
     if missing:
         raise ValueError(f"the checkpoint does not fill {len(missing)} parameters, e.g. {missing[:3]}")
     if unused:

@@ -21,6 +21,8 @@ import math
 import os
 from dataclasses import dataclass
 
+from engines.quant_checkpoint import CheckpointQuant, dequantize_reason, packed_bytes_per_weight
+
 GIB = 2**30
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 GPU_RUNTIME_BYTES = GIB  # CUDA context, cuBLAS workspace, NCCL buffers: outside torch's tensors
@@ -60,6 +62,7 @@ class ModelShape:
     max_model_len: int
     checkpoint_dtype: str  # fp32 | fp16 | bf16
     linear_parameters: int = 0  # the decoder layers' dense linears (what option.quantize packs), all ranks'
+    checkpoint_quant: CheckpointQuant | None = None  # a pre-quantised checkpoint's format (its linears' bytes)
 
     def can_split(self, tp: int) -> bool:
         if self.num_heads % tp:
@@ -70,16 +73,23 @@ class ModelShape:
             return False
         return True
 
-    def weight_bytes_per_rank(self, tp: int, dtype_bytes: int, quantize: str | None = None) -> int:
+    def weight_bytes_per_rank(self, tp: int, dtype_bytes: int, quantize: str | None = None, packs: bool = True) -> int:
+        """packs: a pre-quantised checkpoint's linears stay packed here (else they dequantise to the dtype)."""
         kv_proj = self.num_layers * 2 * self.hidden_size * self.head_dim  # per KV head
         kv_local = local_kv_heads(self.num_kv_heads, tp)[0]
         local = math.ceil((self.num_parameters - self.replicated_parameters - kv_proj * self.num_kv_heads) / tp) \
             + self.replicated_parameters + kv_proj * kv_local
-        if not quantize:
+        quantize = quantize if quantize in QUANT_WEIGHT_BYTES else None  # a checkpoint's own method: below
+        pre_quantized = self.checkpoint_quant is not None and packs
+        if not quantize and not pre_quantized:
             return local * dtype_bytes
         linears = math.ceil((self.linear_parameters - kv_proj * self.num_kv_heads) / tp) + kv_proj * kv_local
-        scales = dtype_bytes / self.hidden_size if quantize == "int8" else 2 * dtype_bytes / INT4_GROUP_SIZE
-        return (local - linears) * dtype_bytes + math.ceil(linears * (QUANT_WEIGHT_BYTES[quantize] + scales))
+        if pre_quantized:
+            per_weight = packed_bytes_per_weight(self.checkpoint_quant, dtype_bytes, self.hidden_size)
+        else:
+            scales = dtype_bytes / self.hidden_size if quantize == "int8" else 2 * dtype_bytes / INT4_GROUP_SIZE
+            per_weight = QUANT_WEIGHT_BYTES[quantize] + scales
+        return (local - linears) * dtype_bytes + math.ceil(linears * per_weight)
 
     def kv_bytes_per_token(self, tp: int, dtype_bytes: int) -> int:
         """K and V of one token over all layers, on one rank."""
@@ -182,7 +192,9 @@ def plan(shape: ModelShape, machine: Machine, work: Workload) -> Plan:
 def _figures(shape: ModelShape, machine: Machine, work: Workload, tp: int) -> dict[str, int]:
     dtype_bytes = DTYPE_BYTES[work.dtype]
     per_token = shape.kv_bytes_per_token(tp, dtype_bytes)
-    weights = shape.weight_bytes_per_rank(tp, dtype_bytes, work.quantize)
+    packs = shape.checkpoint_quant is None or not dequantize_reason(
+        shape.checkpoint_quant, "cuda" if machine.is_gpu else "cpu", work.dtype == "bf16")
+    weights = shape.weight_bytes_per_rank(tp, dtype_bytes, work.quantize, packs)
     activations = shape.activation_bytes(tp, dtype_bytes, work.max_num_batched_tokens, work.max_num_seqs)
     if machine.is_gpu:
         usable = int(machine.device_bytes * work.gpu_memory_utilization)

@@ -130,6 +130,32 @@ def _compressed_tensors(qc: dict) -> CheckpointQuant:
                            bits, int(w["group_size"]) if strategy == "group" else None, symmetric, ignore=ignore)
 
 
+def dequantize_reason(quant: CheckpointQuant, device_type: str, is_bf16: bool) -> str | None:
+    """Why this checkpoint's weights dequantise to the model dtype on load (no packed kernel for them
+    on `device_type`); None: they load packed (engines/quant_load.py)."""
+    if quant.method == "fp8" or quant.layout == "float-quantized":
+        return f"fp8 weights: no fp8 kernel on {device_type} in lmi-serve yet"
+    if quant.desc_act:
+        return "act-order GPTQ (desc_act): each input's group is permuted, which no packed kernel here takes"
+    if quant.bits == 8 and quant.group_size:
+        return f"8-bit weights in groups of {quant.group_size}: the int8 kernel takes one scale per output row"
+    if quant.bits == 4 and quant.group_size and quant.group_size % 32:
+        return f"4-bit groups of {quant.group_size}: the int4 kernel takes groups of 32, 64, 128 or 256 inputs"
+    if device_type not in ("cpu", "cuda"):
+        return f"no packed kernel on {device_type}"
+    if quant.bits == 4 and device_type == "cuda" and not is_bf16:
+        return "CUDA's int4 kernel takes bf16 activations only"
+    return None
+
+
+def packed_bytes_per_weight(quant: CheckpointQuant, dtype_bytes: int, row_inputs: int) -> float:
+    """What one weight of a packed linear holds in memory, its share of scales and zero points included
+    (int4: a scale and zero per kernel group of at most 256 inputs; int8: a scale per row of `row_inputs`)."""
+    if quant.bits == 8:
+        return 1 + dtype_bytes / row_inputs
+    return 0.5 + 2 * dtype_bytes / min(quant.group_size or 256, 256)
+
+
 def check_quantize_option(option: str | None, quant: CheckpointQuant | None) -> None:
     """option.quantize against the checkpoint: unset or the checkpoint's own method for a pre-quantised
     one; int8/int4 (quantise at load) for an unquantised one."""

@@ -28,9 +28,9 @@ import torch
 from torch import nn
 
 from engines.layers.linear import ColumnParallelLinear, RowParallelLinear
-from engines.layers.quant import INT4_KERNELS, INT4_ROWS_MULTIPLE, Int4Weight, Int8Weight
+from engines.layers.quant import INT4_ROWS_MULTIPLE, Int4Weight, Int8Weight
 from engines.layers.quant_formats import decode, decode_gptq_act_order, dequantize
-from engines.quant_checkpoint import CheckpointQuant
+from engines.quant_checkpoint import CheckpointQuant, dequantize_reason
 
 log = logging.getLogger(__name__)
 
@@ -48,53 +48,44 @@ def is_quantized_tensor(name: str, prefixes: set[str]) -> bool:
     return prefix in prefixes and suffix != "bias"
 
 
-def dequantize_reason(quant: CheckpointQuant, device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why this checkpoint's weights dequantise on load (no packed kernel for them here); None: they pack."""
-    if quant.method == "fp8" or quant.layout == "float-quantized":
-        return f"fp8 weights: no fp8 kernel on {device.type} in lmi-serve yet"
-    if quant.desc_act:
-        return "act-order GPTQ (desc_act): each input's group is permuted, which no packed kernel here takes"
-    if quant.bits == 8 and quant.group_size:
-        return f"8-bit weights in groups of {quant.group_size}: the int8 kernel takes one scale per output row"
-    if quant.bits == 4 and quant.group_size and quant.group_size % 32:
-        return f"4-bit groups of {quant.group_size}: the int4 kernel takes groups of 32, 64, 128 or 256 inputs"
-    if device.type not in INT4_KERNELS:
-        return f"no packed kernel on {device.type}"
-    if quant.bits == 4 and device.type == "cuda" and dtype != torch.bfloat16:
-        return f"CUDA's int4 kernel takes bf16 activations only, not {dtype}"
-    return None
-
-
-def fill_quantized(model: nn.Module, quant: CheckpointQuant, tensors: dict[str, dict[str, Reader]],
-                   dtype: torch.dtype) -> Counter:
-    """Load every quantised linear (`tensors`: prefix → suffix → reader) into `model`, whose other
-    weights are already loaded. → how many linears ended each way (int4, int8, dequantised)."""
+def pack_quantized(model: nn.Module, quant: CheckpointQuant, tensors: dict[str, dict[str, Reader]],
+                   dtype: torch.dtype) -> tuple[Counter, dict[str, dict[str, Reader]]]:
+    """Before anything else loads (the linears' own weights never touched, so on CPU never in memory):
+    pack every quantised linear (`tensors`: prefix → suffix → reader) that a kernel takes. → how many
+    linear shards packed each way, and the checkpoint linears left for load_dequantized."""
     if any(p.dim() == 3 for p in model.parameters()):
         raise ValueError(f"a {quant.method} checkpoint of a model with stacked MoE experts: pre-quantised experts "
                          "do not load yet; serve the bf16 checkpoint (option.quantize=int8 or int4 for the rest)")
     device = next(model.parameters()).device
-    why = dequantize_reason(quant, device, dtype)
+    why = dequantize_reason(quant, device.type, dtype == torch.bfloat16)
     if why:
         log.warning("%s checkpoint: dequantising its weights to %s on load (%s); they take the memory of an "
                     "unquantised model", quant.method, dtype, why)
-        return _fill_dequantized(model, quant, tensors)
-    return _fill_packed(model, quant, tensors, dtype)
+        return Counter(), tensors
+    return _pack_all(model, quant, tensors, dtype)
 
 
-def _read_all(readers: dict[str, Reader]) -> dict[str, torch.Tensor]:
-    return {suffix: read() for suffix, read in readers.items() if suffix not in IGNORED}
-
-
-def _fill_dequantized(model: nn.Module, quant: CheckpointQuant, tensors: dict[str, dict[str, Reader]]) -> Counter:
-    done = Counter()  # counts checkpoint linears here (their fused targets are not known)
+def load_dequantized(model: nn.Module, quant: CheckpointQuant, tensors: dict[str, dict[str, Reader]]) -> int:
+    """Load each checkpoint linear dequantised to the model dtype through the model's load_weight (after
+    the other weights: it is the ordinary path). → how many."""
+    done = 0
     for prefix, readers in tensors.items():
         t = _read_all(readers)
         w = decode_gptq_act_order(quant, t) if quant.desc_act else decode(quant, t, prefix).dequantize()
         if model.load_weight(prefix + ".weight", list(w.shape), lambda idx, w=w: w[idx]):
-            done["dequantised"] += 1
+            done += 1
         else:
             log.warning("unused quantised checkpoint linear: %s", prefix)
     return done
+
+
+def packed_parameters(model: nn.Module) -> set[int]:
+    """ids of the parameters of packed weights (nothing else fills them)."""
+    return {id(p) for m in model.modules() if isinstance(m, (Int4Weight, Int8Weight)) for p in m.parameters()}
+
+
+def _read_all(readers: dict[str, Reader]) -> dict[str, torch.Tensor]:
+    return {suffix: read() for suffix, read in readers.items() if suffix not in IGNORED}
 
 
 def _group_columns(t: torch.Tensor, index: tuple, group: int | None, prefix: str) -> torch.Tensor:
@@ -109,27 +100,30 @@ def _group_columns(t: torch.Tensor, index: tuple, group: int | None, prefix: str
     return t[index[0], lo // group:hi // group]
 
 
-def _fill_packed(model: nn.Module, quant: CheckpointQuant, tensors: dict[str, dict[str, Reader]],
-                 dtype: torch.dtype) -> Counter:
+def _pack_all(model: nn.Module, quant: CheckpointQuant, tensors: dict[str, dict[str, Reader]],
+              dtype: torch.dtype) -> tuple[Counter, dict[str, dict[str, Reader]]]:
     linears = {name: m for name, m in model.named_modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
     originals = {name: m.weight for name, m in linears.items()}
     group = quant.group_size
+    # codes: uint8 for 4 bits (255: not filled), int16 for 8 (-1: not filled); scales, zeros float32 (NaN)
+    code_dtype, unfilled = (torch.uint8, 255) if quant.bits == 4 else (torch.int16, -1)
 
-    def capture(shape, kind, device):  # NaN: what no checkpoint tensor filled
-        return nn.Parameter(torch.full(shape, float("nan"), dtype=kind, device=device), requires_grad=False)
+    def capture(shape, kind, fill, device):
+        return nn.Parameter(torch.full(shape, fill, dtype=kind, device=device), requires_grad=False)
 
     caps = {}
     for name, w in originals.items():
         out_l, in_l = w.shape
         groups = in_l // group if group else 1
-        caps[name] = [capture((out_l, in_l), torch.float16, w.device), capture((out_l, groups), torch.float32, w.device),
-                      capture((out_l, groups), torch.float32, w.device)]
+        caps[name] = [capture((out_l, in_l), code_dtype, unfilled, w.device),
+                      capture((out_l, groups), torch.float32, float("nan"), w.device),
+                      capture((out_l, groups), torch.float32, float("nan"), w.device)]
     aside = _stand_aside(model, linears)
-    fallback = []
+    leftovers = {}
     try:
         for prefix, readers in tensors.items():
             d = decode(quant, _read_all(readers), prefix)
-            stages = [lambda idx, d=d: d.q[idx].to(torch.float16),
+            stages = [lambda idx, d=d: d.q[idx],
                       lambda idx, d=d, p=prefix: _group_columns(d.scales, idx, group, p),
                       lambda idx, d=d, p=prefix: _group_columns(d.zeros, idx, group, p)]
             for stage, reader in enumerate(stages):
@@ -138,7 +132,9 @@ def _fill_packed(model: nn.Module, quant: CheckpointQuant, tensors: dict[str, di
                 try:
                     used = model.load_weight(prefix + ".weight", list(d.q.shape), reader)
                 except (RuntimeError, AssertionError, IndexError):  # its target is no parallel linear
-                    fallback.append((prefix, d))
+                    leftovers[prefix] = readers  # e.g. a quantised LM head: loaded dequantised, later
+                    log.warning("%s: quantised in the checkpoint, no packed form for its target: loading it "
+                                "dequantised to %s", prefix, dtype)
                     break
                 if not used:
                     log.warning("unused quantised checkpoint linear: %s", prefix)
@@ -148,16 +144,12 @@ def _fill_packed(model: nn.Module, quant: CheckpointQuant, tensors: dict[str, di
             m.weight = originals[name]
         for module, key, p in aside:
             module._parameters[key] = p
-    for prefix, d in fallback:  # e.g. a quantised LM head: into its own weight, dequantised
-        w = d.dequantize()
-        model.load_weight(prefix + ".weight", list(w.shape), lambda idx, w=w: w[idx])
-        log.warning("%s: quantised in the checkpoint, loaded dequantised to %s (no packed form for it)", prefix, dtype)
-    done = Counter({"dequantised": len(fallback)} if fallback else {})
+    done = Counter()
     for name, m in linears.items():
         q, s, z = caps.pop(name)
-        missing = torch.isnan(q)
+        missing = q == unfilled
         if missing.all():
-            continue  # not quantised in the checkpoint: its weight loaded as it is
+            continue  # not quantised in the checkpoint: its weight loads as it is
         if missing.any() or torch.isnan(s).any() or torch.isnan(z).any():
             raise ValueError(f"{name}: the checkpoint quantises some of its fused parts and not others")
         packed, how = pack_shard(q, s, z, group, quant.bits, dtype)
@@ -167,7 +159,7 @@ def _fill_packed(model: nn.Module, quant: CheckpointQuant, tensors: dict[str, di
     if done["dequantised"]:
         log.warning("%s checkpoint: %d linear shards dequantised to %s (shapes the packed kernels cannot take)",
                     quant.method, done["dequantised"], dtype)
-    return done
+    return done, leftovers
 
 
 def _stand_aside(model: nn.Module, linears: dict[str, nn.Module]) -> list:

@@ -120,7 +120,7 @@ CASES = [
          values={"option.gpu_memory_utilization": (0.5, "env (CUDA_MEMORY_FRACTION)")}),
     case("cuda-mem-under-option", {}, {"CUDA_MEMORY_FRACTION": "0.5", "OPTION_GPU_MEMORY_UTILIZATION": "0.8"},
          values={"option.gpu_memory_utilization": (0.8, "env (OPTION_GPU_MEMORY_UTILIZATION)")}),
-    case("hf-quantize", {}, {"HF_MODEL_QUANTIZE": "awq"}, error=["option.quantize='awq'", "pre-quantised"]),
+    case("hf-quantize", {}, {"HF_MODEL_QUANTIZE": "awq"}, values={"option.quantize": ("awq", "env (HF_MODEL_QUANTIZE)")}),
     # ---- batch_size alias ------------------------------------------------------------------------
     case("max-dynamic-batch-size", {"max_dynamic_batch_size": "8"}, {},
          values={"batch_size": (8, "file")}, engine="dynamic"),
@@ -218,13 +218,18 @@ CASES = [
          error=["option.quantize=int8", "GPT2LMHeadModel", "transformers fallback", "unset option.quantize"]),
     case("quantize-impl-transformers", {"option.quantize": "int4", "option.model_impl": "transformers"}, {},
          build=CPU2, error=["option.quantize=int4", "option.model_impl=transformers"]),
-    case("quantize-gptq", {"option.quantize": "gptq"}, {},
-         error=["option.quantize='gptq'", "pre-quantised checkpoints", "int8 or int4"]),
-    case("quantize-fp8", {"option.quantize": "fp8"}, {}, error=["option.quantize='fp8'", "fp8 kernels", "int8 or int4"]),
+    # a pre-quantised checkpoint's method: accepted by name, refused at build when the checkpoint is not one
+    case("quantize-gptq", {"option.quantize": "gptq"}, {}, build=CPU2,
+         error=["option.quantize=gptq loads a checkpoint pre-quantised with gptq", "no quantization_config",
+                "option.quantize=int8 or int4"]),
+    case("quantize-fp8", {"option.quantize": "fp8"}, {}, build=GPU1,
+         error=["option.quantize=fp8 loads a checkpoint pre-quantised with fp8", "int8 or int4"]),
+    case("quantize-compressed-tensors-alias", {"option.quantize": "compressed_tensors"}, {},
+         values={"option.quantize": ("compressed-tensors", "file")}),
     case("quantize-int8-dynamic", {"option.quantize": "int8_dynamic"}, {},
          error=["int8_dynamic", "int8 activations", "int8 or int4"]),
     case("quantize-bitsandbytes", {}, {"HF_MODEL_QUANTIZE": "bitsandbytes"},
-         error=["option.quantize='bitsandbytes'", "pre-quantised"]),
+         error=["option.quantize='bitsandbytes'", "do not load", "GPTQ, AWQ, compressed-tensors"]),
     case("quantize-unknown", {"option.quantize": "int3"}, {}, error=["option.quantize='int3'", "int8 or int4"]),
     # ---- invalid values: the key and the bad value are named ------------------------------------
     case("bad-batch-size-x", {"batch_size": "x"}, {}, error=["batch_size='x'", "integer"]),
@@ -499,3 +504,30 @@ def test_count_gpus(monkeypatch, present, visible, expected) -> None:
     monkeypatch.setattr(cfgmod.os, "listdir", fake_listdir)
     env = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
     assert count_gpus(env) == expected
+
+
+QUANTISED = {"gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False},
+             "bitsandbytes": {"quant_method": "bitsandbytes", "load_in_4bit": True}}
+
+
+@pytest.mark.parametrize("quant, props, num_gpus, expect", [
+    ("gptq", {}, 0, "bf16"),
+    ("gptq", {"option.quantize": "gptq"}, 1, "bf16"),  # CUDA's int4 kernel: bf16 when option.dtype is unset
+    ("gptq", {"option.quantize": "awq"}, 0,
+     "option.quantize=awq: this checkpoint is already quantised with gptq (config.json quantization_config); "
+     "set option.quantize=gptq or unset it"),
+    ("gptq", {"option.quantize": "int8"}, 0, "already quantised with gptq"),
+    ("bitsandbytes", {}, 0, "pre-quantised with bitsandbytes' NF4/FP4/int8 layouts (config.json "
+                            "quantization_config), which lmi-serve does not load; serve the unquantised"),
+])
+def test_a_pre_quantised_checkpoint_is_checked_at_start(quant, props, num_gpus, expect) -> None:
+    spec = ModelSpec.from_dicts({"architectures": [LLAMA], "model_type": "llama", "hidden_size": 64,
+                                 "num_hidden_layers": 2, "num_attention_heads": 4,
+                                 "quantization_config": QUANTISED[quant]}, {}, None)
+    cfg = resolve(props, {})
+    if expect in ("bf16", "fp16"):
+        built = build(cfg, local_dir="/models/m", spec=spec, port=8123, num_gpus=num_gpus, num_cpus=16)
+        assert built.model.dtype == expect
+        return
+    with pytest.raises(ConfigError, match=expect.replace("(", r"\(").replace(")", r"\)")):
+        build(cfg, local_dir="/models/m", spec=spec, port=8123, num_gpus=num_gpus, num_cpus=16)

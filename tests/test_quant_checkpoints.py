@@ -6,6 +6,7 @@ decoder below, written independently of engines/layers/quant_formats.py."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -30,9 +31,18 @@ def _engine_tokens(model_dir, kind: str = "paged", **kw) -> tuple[list[list[int]
     return [output_tokens(outputs[f"r{i}"]) for i in range(len(PROMPTS))], engine.runner.model
 
 
+@functools.cache
 def _oracle_tokens(model_dir) -> list[list[int]]:
     generate = hf_oracle(str(model_dir))
     return [generate(p, NEW_TOKENS) for p in PROMPTS]
+
+
+def _reference_tokens(quantised) -> list[list[int]]:
+    """transformers on the plain-decoded copy of `quantised` (written once, next to it)."""
+    reference = f"{quantised}-reference"
+    if not os.path.isdir(reference):
+        _dequantised_copy(str(quantised), reference)
+    return _oracle_tokens(reference)
 
 
 # -- a plain decoder: one value at a time out of each int32 word ---------------------------------------
@@ -108,21 +118,20 @@ def checkpoints(tiny_model, tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", list(WRITERS))
-def test_gptq_awq_fp8_give_the_dequantised_reference_greedy_tokens(checkpoints, tmp_path, caplog, name) -> None:
+def test_gptq_awq_fp8_give_the_dequantised_reference_greedy_tokens(checkpoints, caplog, name) -> None:
     with caplog.at_level(logging.INFO):
         tokens, model = _engine_tokens(checkpoints[name])
     assert isinstance(model.layers[0].mlp.down_proj.weight, PACKED_AS[name])
     assert isinstance(model.layers[1].self_attn.qkv_proj.weight, PACKED_AS[name])  # q, k, v fused
     if PACKED_AS[name] is torch.Tensor:
         assert any("dequantising its weights to torch.float32 on load" in r.getMessage() for r in caplog.records)
-    reference = _oracle_tokens(_dequantised_copy(str(checkpoints[name]), str(tmp_path / "reference")))
-    assert tokens == reference
+    assert tokens == _reference_tokens(checkpoints[name])
 
 
-def test_the_padded_engine_serves_a_gptq_checkpoint(checkpoints, tmp_path) -> None:
+def test_the_padded_engine_serves_a_gptq_checkpoint(checkpoints) -> None:
     tokens, model = _engine_tokens(checkpoints["gptq-int4-sym"], kind="rolling")
     assert isinstance(model.layers[0].self_attn.o_proj.weight, Int4Weight)
-    assert tokens == _oracle_tokens(_dequantised_copy(str(checkpoints["gptq-int4-sym"]), str(tmp_path / "ref")))
+    assert tokens == _reference_tokens(checkpoints["gptq-int4-sym"])
 
 
 CT_SCHEMES = {"w4a16": Int4Weight, "w8-channel": Int8Weight, "fp8-channel": torch.Tensor}
@@ -212,5 +221,17 @@ def test_gptq_and_compressed_tensors_at_tp2_give_the_reference_greedy_tokens(tin
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(out.read_text())
-    assert got[dirs[0]] == _oracle_tokens(_dequantised_copy(dirs[0], str(tmp_path / "ref")))
+    assert got[dirs[0]] == _reference_tokens(dirs[0])
     assert got[dirs[1]] == _oracle_tokens(ct)
+
+
+@pytest.mark.parametrize("name", ["gptq-int4-sym", "fp8-block"])
+def test_plan_counts_the_bytes_the_engine_holds(checkpoints, name) -> None:
+    from container.planner import read_model_shape
+
+    shape = read_model_shape(str(checkpoints[name]))
+    assert shape.checkpoint_quant.method == name.split("-")[0]
+    assert (shape.num_parameters, shape.linear_parameters) == (205_120, 73_728)  # as the fp32 model's
+    planned = shape.weight_bytes_per_rank(1, 2, packs=name != "fp8-block")  # fp8 dequantises on CPU
+    held = local_engine(checkpoints[name], "paged", dtype="bf16").runner.weight_bytes
+    assert abs(planned - held) <= 0.01 * held, (planned, held)
