@@ -90,7 +90,7 @@ def write_gptq(src: str, out: str, bits: int = 4, group: int = 32, sym: bool = T
 
     state = load_file(os.path.join(src, "model.safetensors"))
     tensors = {}
-    for prefix, w in _linears(state):
+    for prefix, w in ((p, w.float()) for p, w in _linears(state)):
         k = w.shape[1]
         span = group if group > 0 else k  # -1: one group per output row
         q, scales, zeros = minmax_quantize(w, bits, span, sym)
@@ -114,7 +114,7 @@ def write_awq(src: str, out: str, group: int = 32) -> None:
 
     state = load_file(os.path.join(src, "model.safetensors"))
     tensors = {}
-    for prefix, w in _linears(state):
+    for prefix, w in ((p, w.float()) for p, w in _linears(state)):
         q, scales, zeros = minmax_quantize(w, 4, group, sym=False)
         tensors[prefix + ".qweight"] = _pack(q.t(), 4, 1, AWQ_ORDER)  # [in, out/8]
         tensors[prefix + ".qzeros"] = _pack(zeros.t(), 4, 1, AWQ_ORDER)  # [G, out/8]
@@ -129,7 +129,7 @@ def write_fp8(src: str, out: str, block: tuple[int, int] = (32, 32)) -> None:
 
     state = load_file(os.path.join(src, "model.safetensors"))
     tensors = {}
-    for prefix, w in _linears(state):
+    for prefix, w in ((p, w.float()) for p, w in _linears(state)):
         bo, bi = block
         out_f, k = w.shape
         blocks = w.reshape(out_f // bo, bo, k // bi, bi)

@@ -140,6 +140,7 @@ CT_SCHEMES = {"w4a16": Int4Weight, "w8-channel": Int8Weight, "fp8-channel": torc
 @pytest.mark.parametrize("scheme", list(CT_SCHEMES))
 def test_compressed_tensors_give_transformers_greedy_tokens_on_the_same_file(tiny_model, tmp_path, caplog,
                                                                               scheme) -> None:
+    pytest.importorskip("compressed_tensors")
     out = tmp_path / scheme
     quant_ckpt.write_compressed_tensors(str(tiny_model), str(out), scheme)
     with caplog.at_level(logging.INFO):
@@ -153,6 +154,7 @@ def test_compressed_tensors_give_transformers_greedy_tokens_on_the_same_file(tin
 def test_asymmetric_compressed_tensors_match_the_librarys_own_decompression(tiny_model, tmp_path) -> None:
     """transformers 5.24 cannot load this file (its packed zero points mismatch the shapes it
     expects), so the oracle is compressed_tensors' own unpack + dequantize, run through HF generate."""
+    pytest.importorskip("compressed_tensors")
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
     from safetensors.torch import load_file
 
@@ -201,6 +203,20 @@ def test_a_tp_shard_inside_a_group_is_refused() -> None:
         _group_columns(scales, (slice(0, 8), slice(48, 96)), 32, "x")
 
 
+def test_a_shard_the_int4_kernel_cannot_take_is_dequantised_alone() -> None:
+    from engines.layers.quant_formats import dequantize
+    from engines.quant_load import pack_shard
+
+    torch.manual_seed(3)
+    q = torch.randint(0, 16, (40, 64), dtype=torch.uint8)  # 40 outputs: not a multiple of 16
+    s, z = torch.rand(40, 2) / 10, torch.randint(0, 16, (40, 2)).float()
+    weight, how = pack_shard(q, s, z, 32, 4, torch.float32)
+    assert how == "dequantised" and torch.equal(weight, dequantize(q, s, z, 32))
+    packed, how = pack_shard(q[:32], s[:32], z[:32], 32, 4, torch.float32)
+    x = torch.randn(3, 64)
+    assert how == "int4" and torch.allclose(packed(x), x @ dequantize(q[:32], s[:32], z[:32], 32).t(), atol=1e-4)
+
+
 def test_gptq_and_compressed_tensors_at_tp2_give_the_reference_greedy_tokens(tiny_model, checkpoints,
                                                                              tmp_path) -> None:
     """One mpirun job, two models: each rank packs its shard (column-parallel rows; row-parallel input
@@ -210,6 +226,7 @@ def test_gptq_and_compressed_tensors_at_tp2_give_the_reference_greedy_tokens(tin
 
     from tests.support import ROOT
 
+    pytest.importorskip("compressed_tensors")
     ct = tmp_path / "ct-w4a16"
     quant_ckpt.write_compressed_tensors(str(tiny_model), str(ct), "w4a16")
     dirs = [str(checkpoints["gptq-int4-sym"]), str(ct)]
