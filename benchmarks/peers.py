@@ -5,9 +5,13 @@ servers, llama.cpp's own server (continuous batching), Hugging Face `generate` a
 
     python -m benchmarks.peers --model-dir models/small --llama-cpp /path/to/llama.cpp \
         --rounds 3 --out benchmarks/results/peers_small.json
+    python -m benchmarks.peers --model-dir models/small --llama-cpp /path/to/llama.cpp --rounds 3 \
+        --variant int8=option.quantize=int8 --variant int4=option.quantize=int4 \
+        --out benchmarks/results/peers_quant_small.json       # our quantised servers too
 
   * lmi paged / lmi padded: `lmi serve` in bf16, `clients` concurrent streaming clients.
-  * llama.cpp: `llama-server --parallel <clients>` on the model converted to GGUF bf16 with
+  * lmi paged <label>: each --variant, the paged server with those properties added.
+  * llama.cpp: `llama-server --parallel <clients>` on the model converted to GGUF bf16 and Q8_0 with
     llama.cpp's own `convert_hf_to_gguf.py` (the tree's `build/bin/llama-server`: build it with
     `cmake -B build && cmake --build build --target llama-server`, e.g. from the llama.cpp tree in
     the `llama-cpp-python` sdist). Our test tokenizer is a byte-level BPE that the converter does
@@ -18,7 +22,9 @@ servers, llama.cpp's own server (continuous batching), Hugging Face `generate` a
     supports tried, the best one reported (`generate_batch`, greedy, min_length = new).
 
 Every system is measured once per round; rounds interleave them. Reported: generated tokens per
-second (medians), and each system's ratio to ours. Servers stay up across rounds (an idle server
+second (medians), each system's ratio to ours, and its greedy agreement with HF `generate` in
+float32 on the same prompts (the share of the reference's tokens reproduced before the first
+difference, measured after the timed rounds). Servers stay up across rounds (an idle server
 costs nothing). Also measured, with --compile-start: time to the first /ping 200 of the paged
 server in eager mode and with option.cpu_compile, with an empty and with a warm compile cache.
 """
@@ -64,13 +70,35 @@ def lmi_run(server: BenchServer, prompts: list[list[int]], new: int, tok: TextTo
     return sum(r.num_tokens for r in results) / wall
 
 
+def lmi_greedy_ids(server: BenchServer, prompts: list[list[int]], new: int, tok: TextTokenizer) -> list[list[int]]:
+    def one(ids: list[int]) -> list[int]:
+        resp = requests.post(server.url + "/invocations", timeout=1800, json={
+            "inputs": tok.decode(ids), "parameters": {"max_new_tokens": new, "ignore_eos": True, "details": True}})
+        resp.raise_for_status()
+        return [t["id"] for t in resp.json()["details"]["tokens"]]
+
+    with ThreadPoolExecutor(8) as pool:
+        return list(pool.map(one, prompts))
+
+
+def prefix_agreement(ids: list[list[int]], reference: list[list[int]]) -> float:
+    """The share of the reference's greedy tokens that a system reproduces before its first
+    difference, over all prompts (1.0: the same continuations token for token)."""
+    same = 0
+    for a, b in zip(ids, reference):
+        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        same += n
+    return same / sum(len(b) for b in reference)
+
+
 # -- llama.cpp --------------------------------------------------------------------------------------
-def convert_to_gguf(llama_cpp: str, model_dir: str, out: str) -> None:
-    """llama.cpp's converter, told that our byte-level BPE tokenizer pre-tokenizes as GPT-2 does."""
+def convert_to_gguf(llama_cpp: str, model_dir: str, out: str, outtype: str = "bf16") -> None:
+    """llama.cpp's converter, told that our byte-level BPE tokenizer pre-tokenizes as GPT-2 does;
+    outtype: bf16 or q8_0 (its own int8 quantisation, 32 weights per scale)."""
     script = (
         "import sys\n"
         f"sys.path[:0] = [{llama_cpp!r}, {os.path.join(llama_cpp, 'gguf-py')!r}]\n"
-        f"sys.argv = ['convert_hf_to_gguf.py', {model_dir!r}, '--outtype', 'bf16', '--outfile', {out!r}]\n"
+        f"sys.argv = ['convert_hf_to_gguf.py', {model_dir!r}, '--outtype', {outtype!r}, '--outfile', {out!r}]\n"
         "import convert_hf_to_gguf as c\n"
         "from conversion import base\n"
         "base.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'gpt-2'\n"
@@ -85,7 +113,7 @@ class LlamaCppServer:
     def __init__(self, llama_cpp: str, gguf: str, clients: int, ctx_per_client: int):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(os.path.join(os.path.dirname(gguf), "llama-server.log"), "w")
+        self.log = open(gguf + ".llama-server.log", "w")
         binary = os.path.join(llama_cpp, "build", "bin", "llama-server")
         self.proc = subprocess.Popen(
             [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(self.port), "--parallel", str(clients),
@@ -99,7 +127,7 @@ class LlamaCppServer:
             except requests.RequestException:
                 pass
             if self.proc.poll() is not None:
-                raise RuntimeError("llama-server exited; see llama-server.log")
+                raise RuntimeError(f"llama-server exited; see {self.log.name}")
             time.sleep(0.2)
         raise TimeoutError("llama-server not ready")
 
@@ -115,6 +143,17 @@ class LlamaCppServer:
             tokens = sum(pool.map(one, prompts))
         return tokens / (time.perf_counter() - started)
 
+    def greedy_ids(self, prompts: list[list[int]], new: int) -> list[list[int]]:
+        def one(ids: list[int]) -> list[int]:
+            resp = requests.post(self.url + "/completion", timeout=1800, json={
+                "prompt": ids, "n_predict": new, "ignore_eos": True, "cache_prompt": False, "temperature": 0,
+                "return_tokens": True})
+            resp.raise_for_status()
+            return resp.json()["tokens"]
+
+        with ThreadPoolExecutor(8) as pool:
+            return list(pool.map(one, prompts))
+
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait(timeout=30)
@@ -122,11 +161,12 @@ class LlamaCppServer:
 
 
 # -- offline peers, each in its own process -----------------------------------------------------------
-def hf_generate(model_dir: str, prompts: list[list[int]], new: int) -> float:
+def hf_generate(model_dir: str, prompts: list[list[int]], new: int, dtype: str = "bf16") \
+        -> tuple[float, list[list[int]]]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, DTYPES[dtype])).eval()
     ids = torch.tensor(prompts)  # equal lengths: no padding
     with torch.inference_mode():
         model.generate(ids[:, :8], max_new_tokens=2, do_sample=False)  # warm-up
@@ -134,10 +174,11 @@ def hf_generate(model_dir: str, prompts: list[list[int]], new: int) -> float:
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
                              do_sample=False)
     elapsed = time.perf_counter() - started
-    return (out.shape[1] - ids.shape[1]) * ids.shape[0] / elapsed
+    return (out.shape[1] - ids.shape[1]) * ids.shape[0] / elapsed, out[:, ids.shape[1]:].tolist()
 
 
-def ctranslate2_generate(ct2_dir: str, model_dir: str, prompts: list[list[int]], new: int, compute_type: str) -> float:
+def ctranslate2_generate(ct2_dir: str, model_dir: str, prompts: list[list[int]], new: int, compute_type: str) \
+        -> tuple[float, list[list[int]]]:
     import ctranslate2
     from transformers import AutoTokenizer
 
@@ -149,17 +190,24 @@ def ctranslate2_generate(ct2_dir: str, model_dir: str, prompts: list[list[int]],
     results = gen.generate_batch(tokens, max_length=new, min_length=new, sampling_topk=1,
                                  include_prompt_in_result=False, max_batch_size=len(tokens))
     elapsed = time.perf_counter() - started
-    return sum(len(r.sequences_ids[0]) for r in results) / elapsed
+    return sum(len(r.sequences_ids[0]) for r in results) / elapsed, [r.sequences_ids[0] for r in results]
+
+
+DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+IDS: dict[str, list[list[int]]] = {}  # each offline system's greedy tokens, from its last run
 
 
 def offline(kind: str, args, extra: str = "") -> float:
+    """One run of an offline peer in a process of its own → tok/s; its tokens go to IDS."""
     out = subprocess.run([sys.executable, "-m", "benchmarks.peers", "--one", kind, "--model-dir", args.model_dir,
                           "--clients", str(args.clients), "--prompt", str(args.prompt), "--new", str(args.new),
                           "--ct2-dir", args.ct2_dir or "", "--compute-type", extra],
                          capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(f"{kind} {extra} failed:\n{out.stderr[-3000:]}")
-    return float(out.stdout.strip().splitlines()[-1])
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    IDS[f"{kind} {extra}"] = result["ids"]
+    return result["tok_s"]
 
 
 def ct2_compute_types() -> list[str]:
@@ -199,17 +247,19 @@ def main(argv=None) -> int:
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--compile-start", action="store_true", help="also time /ping with and without compile")
+    p.add_argument("--variant", action="append", default=[], metavar="LABEL=KEY=VALUE[,KEY=VALUE]",
+                   help="also the paged server with these properties, e.g. int8=option.quantize=int8 "
+                        "or compiled=option.cpu_compile=true (repeatable)")
     p.add_argument("--out", default="benchmarks/results/peers.json")
     p.add_argument("--ct2-dir", help=argparse.SUPPRESS)
     p.add_argument("--compute-type", help=argparse.SUPPRESS)
     p.add_argument("--one", choices=("hf", "ct2"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     prompts = workload(args.model_dir, args.clients, args.prompt)
-    if args.one == "hf":
-        print(hf_generate(args.model_dir, prompts, args.new))
-        return 0
-    if args.one == "ct2":
-        print(ctranslate2_generate(args.ct2_dir, args.model_dir, prompts, args.new, args.compute_type))
+    if args.one:
+        tok_s, ids = (hf_generate(args.model_dir, prompts, args.new, args.compute_type or "bf16") if args.one == "hf"
+                      else ctranslate2_generate(args.ct2_dir, args.model_dir, prompts, args.new, args.compute_type))
+        print(json.dumps({"tok_s": tok_s, "ids": ids}))
         return 0
 
     work = tempfile.mkdtemp(prefix="lmi-peers-")
@@ -220,49 +270,70 @@ def main(argv=None) -> int:
     ctranslate2.converters.TransformersConverter(args.model_dir).convert(args.ct2_dir, force=True)
     types = ct2_compute_types()
     servers: dict[str, BenchServer] = {}
-    llama = None
+    llamas: dict[str, LlamaCppServer] = {}
+    variants = dict(v.split("=", 1) for v in args.variant)  # label → "key=value,key=value"
     try:
-        for name in ("paged", "rolling"):  # one after the other: each measures its CPU at start
-            servers[name] = BenchServer(name, args.model_dir, "bf16", "512MiB", [])
-            servers[name].wait_ready()
+        # one after the other: each measures its CPU at start
+        for label, base, props in [("lmi paged", "paged", ""), ("lmi padded", "rolling", "")] + \
+                [(f"lmi paged {label}", f"paged+{label}", props) for label, props in variants.items()]:
+            extra = [f"{base}:{kv}" for kv in props.split(",") if kv]
+            servers[label] = BenchServer(base, args.model_dir, "bf16", "512MiB", extra)
+            servers[label].wait_ready()
         if args.llama_cpp:
-            gguf = os.path.join(work, "model-bf16.gguf")
-            convert_to_gguf(args.llama_cpp, os.path.abspath(args.model_dir), gguf)
-            llama = LlamaCppServer(args.llama_cpp, gguf, args.clients, args.prompt + args.new + 32)
-        systems = {"lmi paged": lambda: lmi_run(servers["paged"], prompts, args.new, tok),
-                   "lmi padded": lambda: lmi_run(servers["rolling"], prompts, args.new, tok),
-                   "HF generate bf16": lambda: offline("hf", args)}
+            for outtype in ("bf16", "q8_0"):
+                gguf = os.path.join(work, f"model-{outtype}.gguf")
+                convert_to_gguf(args.llama_cpp, os.path.abspath(args.model_dir), gguf, outtype)
+                llamas[f"llama.cpp server {outtype}"] = LlamaCppServer(args.llama_cpp, gguf, args.clients,
+                                                                       args.prompt + args.new + 32)
+        systems = {label: (lambda s=s: lmi_run(s, prompts, args.new, tok)) for label, s in servers.items()}
+        systems["HF generate bf16"] = lambda: offline("hf", args, "bf16")
         for t in types:
             systems[f"CTranslate2 {t}"] = lambda t=t: offline("ct2", args, t)
-        if llama:
-            systems["llama.cpp server bf16"] = lambda: llama.run(prompts, args.new)
+        for label, server in llamas.items():
+            systems[label] = lambda server=server: server.run(prompts, args.new)
         runs: dict[str, list[float]] = {name: [] for name in systems}
         for r in range(args.rounds):
             for name, fn in systems.items():
                 runs[name].append(fn())
-                print(f"  round {r + 1} {name:<24} {runs[name][-1]:7.1f} tok/s", flush=True)
+                print(f"  round {r + 1} {name:<28} {runs[name][-1]:7.1f} tok/s", flush=True)
+        # greedy agreement with HF generate in float32, each system's tokens for the same prompts
+        offline("hf", args, "fp32")
+        reference = IDS["hf fp32"]
+        ids = {label: lmi_greedy_ids(s, prompts, args.new, tok) for label, s in servers.items()}
+        ids |= {label: s.greedy_ids(prompts, args.new) for label, s in llamas.items()}
+        ids["HF generate bf16"] = IDS["hf bf16"]
+        ids |= {f"CTranslate2 {t}": IDS[f"ct2 {t}"] for t in types}
+        agreement = {name: prefix_agreement(ids[name], reference) for name in systems}
         starts = compile_start(args.model_dir) if args.compile_start else {}
     finally:
-        for s in servers.values():
+        for s in [*servers.values(), *llamas.values()]:
             s.stop()
-        if llama:
-            llama.stop()
         shutil.rmtree(work, ignore_errors=True)
 
     med = {name: statistics.median(v) for name, v in runs.items()}
     ours = med["lmi paged"]
-    ct2_best = max((n for n in med if n.startswith("CTranslate2")), key=med.get)
+    best = {kind: max((n for n in med if n.startswith(kind)), key=med.get, default=None)
+            for kind in ("lmi", "CTranslate2", "llama.cpp")}
     print(f"\n{args.model_dir}, {args.clients} clients, {args.prompt} in / {args.new} out, greedy, "
-          f"medians of {args.rounds} interleaved rounds")
-    print(f"  {'system':<26} {'tok/s':>8} {'lmi paged / it':>15}")
+          f"medians of {args.rounds} interleaved rounds; agreement: the share of HF float32's greedy tokens "
+          "reproduced before the first difference")
+    print(f"  {'system':<30} {'tok/s':>8} {'lmi paged / it':>15} {'agreement':>10}")
     for name, value in med.items():
-        print(f"  {name:<26} {value:>8.1f} {ours / value:>14.2f}x")
-    print(f"  best CTranslate2 compute type: {ct2_best}")
+        print(f"  {name:<30} {value:>8.1f} {ours / value:>14.2f}x {agreement[name]:>10.3f}")
+    ratios = {}
+    if best["llama.cpp"]:
+        ratios["lmi best / llama.cpp best"] = med[best["lmi"]] / med[best["llama.cpp"]]
+        ratios["lmi paged bf16 / llama.cpp bf16"] = ours / med["llama.cpp server bf16"]
+    if "CTranslate2 int8" in med:
+        ratios["lmi best / CTranslate2 int8"] = med[best["lmi"]] / med["CTranslate2 int8"]
+    print(f"  best: {best}")
+    for name, value in ratios.items():
+        print(f"  {name}: {value:.2f}x")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"args": {k: v for k, v in vars(args).items() if k not in ("one", "ct2_dir", "compute_type")},
-                   "medians_tok_s": med, "runs": runs, "ct2_best": ct2_best, "paged_over": {
-                       n: ours / v for n, v in med.items()}, "first_ping_s": starts}, f, indent=1)
+                   "medians_tok_s": med, "runs": runs, "best": best, "ratios": ratios, "agreement": agreement,
+                   "paged_over": {n: ours / v for n, v in med.items()}, "first_ping_s": starts}, f, indent=1)
     print(f"wrote {args.out}")
     return 0
 

@@ -269,11 +269,12 @@ def build(cfg: ResolvedConfig, *, local_dir: str, spec: ModelSpec | None,
         raise ConfigError(f"option.tensor_parallel_degree={tp} with {spec.architecture if spec else 'this model'}: "
                           f"the HF fallback path runs at tensor_parallel_degree=1 only ({fallback})")
     dtype = quantized_dtype(cfg, num_gpus, fallback, spec)
+    check_kv_cache_dtype(cfg, kind)
     model = ModelConfig(local_dir=local_dir, model_id=cfg["option.model_id"], revision=cfg["option.revision"],
                         dtype=dtype, trust_remote_code=cfg["option.trust_remote_code"],
                         model_impl=cfg["option.model_impl"],
                         max_model_len=cfg["option.max_model_len"], quantize=cfg["option.quantize"],
-                        load_cache_dir=cfg["option.load_cache_dir"])
+                        kv_cache_dtype=cfg["option.kv_cache_dtype"], load_cache_dir=cfg["option.load_cache_dir"])
     scheduler = SchedulerConfig(
         engine_kind=kind, batch_size=cfg["batch_size"], max_batch_delay_ms=cfg["max_batch_delay"],
         job_queue_size=cfg["job_queue_size"], max_num_seqs=cfg["option.max_rolling_batch_size"],
@@ -293,6 +294,20 @@ def build(cfg: ResolvedConfig, *, local_dir: str, spec: ModelSpec | None,
                           chat_template=cfg["option.chat_template"], tgi_compat=cfg["option.tgi_compat"])
     return LmiConfig(model=model, scheduler=scheduler,
                      parallel=ParallelConfig(use_mpi=use_mpi, tensor_parallel_degree=tp), server=server)
+
+
+def check_kv_cache_dtype(cfg: ResolvedConfig, kind: str) -> None:
+    """An fp8 KV cache is the paged engine's, read by its torch attention backend."""
+    name, backend = cfg["option.kv_cache_dtype"], cfg["option.attention_backend"]
+    if name == "auto":
+        return
+    if kind != ENGINE_PAGED:
+        raise ConfigError(f"option.kv_cache_dtype={name} stores the paged engine's KV cache in fp8, and this "
+                          f"configuration runs the {kind} engine; use option.rolling_batch=lmi-dist (or auto) or "
+                          "unset option.kv_cache_dtype")
+    if backend not in ("auto", "torch"):
+        raise ConfigError(f"option.kv_cache_dtype={name} with option.attention_backend={backend}: the torch "
+                          "backend reads fp8 caches; set option.attention_backend=torch or auto")
 
 
 def quantized_dtype(cfg: ResolvedConfig, num_gpus: int, fallback: str | None, spec: ModelSpec | None) -> str:

@@ -173,6 +173,9 @@ KEYS: tuple[Key, ...] = (
     Key("option.attention_backend", choice("auto", "flash_attn", "triton", "flex", "torch"), "auto",
         "paged attention kernels: flash_attn (CUDA with flash-attn installed), triton (CUDA), flex (PyTorch "
         "FlexAttention), torch, or auto (flash_attn, else triton on CUDA; torch on CPU)"),
+    Key("option.kv_cache_dtype", choice("auto", "fp8", "fp8_e4m3", "fp8_e5m2"), "auto",
+        "paged engine: how K/V are stored: auto (the model dtype), or fp8 (= fp8_e4m3) / fp8_e5m2, half of bf16's "
+        "bytes, rounded on write and widened on read by the torch attention backend (docs/quantization.md)"),
     Key("option.speculative_method", choice("ngram", "draft"), None,
         "paged engine: speculative decoding by n-gram prompt lookup or a draft model (unset: off; "
         "option.speculative_model alone means draft)"),

@@ -137,7 +137,8 @@ def workload(resolved, shape: ModelShape, machine: Machine, engine_kind: str, *,
                     max_model_len=shape.max_model_len, prompt_tokens=prompt, output_tokens=output,
                     kv_block_size=resolved["option.kv_block_size"],
                     gpu_memory_utilization=resolved["option.gpu_memory_utilization"], kv_cache_bytes=kv_bytes,
-                    is_paged=engine_kind == ENGINE_PAGED, quantize=resolved["option.quantize"])
+                    is_paged=engine_kind == ENGINE_PAGED, quantize=resolved["option.quantize"],
+                    kv_cache_dtype=resolved["option.kv_cache_dtype"])
 
 
 def summary(p: Plan) -> str:

@@ -27,6 +27,7 @@ class ModelConfig(msgspec.Struct, frozen=True):
     model_impl: str = "auto"  # auto | native | transformers (option.model_impl)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     quantize: str | None = None
+    kv_cache_dtype: str = "auto"  # how K/V are stored: auto (the model dtype) | fp8 (= fp8_e4m3) | fp8_e5m2
     load_cache_dir: str | None = None  # a load-optimised copy of each rank's weights (engines/load_cache.py)
 
 

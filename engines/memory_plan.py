@@ -132,6 +132,7 @@ class Workload:
     gpu_memory_utilization: float = 0.9
     kv_cache_bytes: int | None = None  # CPU: option.kv_cache_memory resolved to bytes (all ranks)
     quantize: str | None = None  # option.quantize: int8 | int4 (weight-only, the decoder's linears)
+    kv_cache_dtype: str = "auto"  # option.kv_cache_dtype: auto (the model dtype) | fp8 | fp8_e4m3 | fp8_e5m2
     is_paged: bool = True
 
     @property
@@ -191,7 +192,7 @@ def plan(shape: ModelShape, machine: Machine, work: Workload) -> Plan:
 
 def _figures(shape: ModelShape, machine: Machine, work: Workload, tp: int) -> dict[str, int]:
     dtype_bytes = DTYPE_BYTES[work.dtype]
-    per_token = shape.kv_bytes_per_token(tp, dtype_bytes)
+    per_token = shape.kv_bytes_per_token(tp, dtype_bytes if work.kv_cache_dtype == "auto" else 1)
     packs = shape.checkpoint_quant is None or not dequantize_reason(
         shape.checkpoint_quant, "cuda" if machine.is_gpu else "cpu", work.dtype == "bf16")
     weights = shape.weight_bytes_per_rank(tp, dtype_bytes, work.quantize, packs)

@@ -116,17 +116,40 @@ def to_device(values, device: torch.device, dtype: torch.dtype | None = None) ->
     return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
 
 
+KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def kv_storage_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """option.kv_cache_dtype → the dtype K/V are stored in: auto, the model's; fp8 (= fp8_e4m3, range
+    ±448) or fp8_e5m2 (±57344, fewer mantissa bits), stored unscaled (vLLM's default scale of 1.0)."""
+    if name == "auto":
+        return model_dtype
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"option.kv_cache_dtype must be one of auto, {', '.join(KV_CACHE_DTYPES)}, not {name!r}")
+    return KV_CACHE_DTYPES[name]
+
+
 class AttentionBackend(abc.ABC):
+    """K/V are stored in `kv_dtype` (option.kv_cache_dtype; the model dtype by default). A backend
+    that reads fp8 caches says so (`stores_fp8`): it writes K/V rounded to fp8 and reads them back in
+    the model dtype before attending."""
+
     name: str
     preferred_block_size: int | None = None  # a block size the kernels need (flash-attn: 256)
+    stores_fp8 = False
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, layers: Sequence[LayerOptions] | None = None):
+                 device: torch.device, layers: Sequence[LayerOptions] | None = None,
+                 kv_dtype: torch.dtype | None = None):
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.block_size = block_size
         self.dtype = dtype
+        self.kv_dtype = kv_dtype or dtype
+        if self.kv_dtype.itemsize == 1 and not self.stores_fp8:
+            raise ValueError(f"option.kv_cache_dtype={self.kv_dtype} needs the torch attention backend "
+                             f"(option.attention_backend=torch or auto), not {self.name}")
         self.device = device
         self.layers = layer_options(num_layers, head_dim, layers)  # scale, window, softcap of each layer
         self.keys: list[torch.Tensor] = []
@@ -142,8 +165,8 @@ class AttentionBackend(abc.ABC):
         padding tokens write to and pad sequences read."""
         shape = self.kv_cache_shape(num_blocks + 1)
         with torch.inference_mode(False):  # ordinary tensors: a compiled step may write views of them
-            self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-            self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+            self.keys = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(self.num_layers)]
+            self.values = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(self.num_layers)]
         self.num_blocks = num_blocks
         self.scratch_block = num_blocks
 
@@ -193,11 +216,13 @@ def flex_runs(device: torch.device) -> bool:
     return True
 
 
-def select_backend(name: str, device: torch.device) -> type[AttentionBackend]:
+def select_backend(name: str, device: torch.device, kv_dtype: torch.dtype | None = None) -> type[AttentionBackend]:
     """The backend class for `option.attention_backend` on this device. auto: flash-attn on CUDA when
-    it imports, else the Triton kernel on CUDA, else torch."""
+    it imports, else the Triton kernel on CUDA, else torch; torch for an fp8 KV cache (kv_dtype)."""
     if name not in BACKENDS:
         raise ValueError(f"option.attention_backend must be one of {', '.join(BACKENDS)}, not {name!r}")
+    if name == "auto" and kv_dtype is not None and kv_dtype.itemsize == 1:
+        name = "torch"  # the backend that reads fp8 caches
     if name == "auto":
         name = "flash_attn" if flash_attn_available(device) else "triton" if device.type == "cuda" \
             and triton_runs(device) else "torch"

@@ -26,8 +26,13 @@ from engines.layers.attention import masked_attention, softcap
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """k/v: [N, Hkv, D] → caches [Hkv, num_blocks, block_size, D] at the N slots."""
+    """k/v: [N, Hkv, D] → caches [Hkv, num_blocks, block_size, D] at the N slots. An fp8 cache takes
+    them rounded to fp8 (saturating at the format's largest value), copied as bytes (PyTorch's
+    index_copy has no fp8 kernel)."""
     heads, dim = k_cache.shape[0], k_cache.shape[-1]
+    if k_cache.dtype.itemsize == 1:
+        k, v = k.to(k_cache.dtype).view(torch.uint8), v.to(v_cache.dtype).view(torch.uint8)
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     k_cache.view(heads, -1, dim).index_copy_(1, slot_mapping, k.transpose(0, 1))
     v_cache.view(heads, -1, dim).index_copy_(1, slot_mapping, v.transpose(0, 1))
 
@@ -47,6 +52,7 @@ class TorchPagedBackend(AttentionBackend):
     shape costs oneDNN ~0.4 MiB)."""
 
     name = "torch"
+    stores_fp8 = True
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (self.num_kv_heads, num_blocks, self.block_size, self.head_dim)
@@ -113,14 +119,22 @@ class TorchPagedBackend(AttentionBackend):
                 decode_attention(q, self.keys[0], self.values[0], table, lens, self.layers[0])
 
 
-def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """cache [Hkv, blocks, bs, D], block_table [B, nb] (int32 or int64) → [Hkv, B, nb * bs, D] in one
-    copy: an index_select of whole blocks as rows of a 2-D view (twice as fast as selecting along dim 1)."""
+    copy: an index_select of whole blocks as rows of a 2-D view (twice as fast as selecting along dim 1);
+    in `dtype` (an fp8 cache's blocks are selected as bytes, then widened)."""
     heads, num_blocks, bs, dim = cache.shape
     b, nb = block_table.shape
     rows = (torch.arange(heads, device=cache.device).view(-1, 1) * num_blocks
             + block_table.reshape(1, -1).long()).view(-1)
-    return cache.view(heads * num_blocks, bs * dim).index_select(0, rows).view(heads, b, nb * bs, dim)
+    return read_rows(cache.view(heads * num_blocks, bs * dim), 0, rows, dtype).view(heads, b, nb * bs, dim)
+
+
+def read_rows(cache: torch.Tensor, dim: int, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """cache.index_select(dim, index) in `dtype`."""
+    if cache.dtype == dtype:
+        return cache.index_select(dim, index)
+    return cache.view(torch.uint8).index_select(dim, index).view(cache.dtype).to(dtype)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
@@ -129,8 +143,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     matmuls over the query groups (on CPU several times faster than SDPA's kernel for one query)."""
     b, hq, d = q.shape
     hkv = k_cache.shape[0]
-    keys = gather_blocks(k_cache, block_table)  # [Hkv, B, S, D]
-    values = gather_blocks(v_cache, block_table)
+    keys = gather_blocks(k_cache, block_table, q.dtype)  # [Hkv, B, S, D]
+    values = gather_blocks(v_cache, block_table, q.dtype)
     width = keys.shape[2]
     qg = q.view(b, hkv, hq // hkv, d).transpose(0, 1)  # [Hkv, B, G, D]
     scores = softcap(torch.matmul(qg, keys.transpose(-1, -2)).float() * opts.scale, opts.softcap)  # [Hkv, B, G, S]
@@ -148,8 +162,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     """q: [n, Hq, D], the last n of a sequence's context_len positions → [n, Hq, D]."""
     n, hq, d = q.shape
     hkv = k_cache.shape[0]
-    keys = k_cache.index_select(1, blocks).view(hkv, -1, d)[:, :context_len].unsqueeze(0)  # [1, Hkv, ctx, D]
-    values = v_cache.index_select(1, blocks).view(hkv, -1, d)[:, :context_len].unsqueeze(0)
+    keys = read_rows(k_cache, 1, blocks, q.dtype).view(hkv, -1, d)[:, :context_len].unsqueeze(0)  # [1, Hkv, ctx, D]
+    values = read_rows(v_cache, 1, blocks, q.dtype).view(hkv, -1, d)[:, :context_len].unsqueeze(0)
     q_pos = torch.arange(context_len - n, context_len, device=q.device).view(-1, 1)
     cols = torch.arange(context_len, device=q.device).view(1, -1)
     mask = cols <= q_pos  # [n, ctx]

@@ -30,6 +30,8 @@ class TritonMetadata(NamedTuple):
 class TritonPagedBackend(TorchPagedBackend):
     name = "triton"
 
+    stores_fp8 = False
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         from engines.kernels.paged_attention import paged_attention

@@ -13,7 +13,7 @@ import time
 from typing import Sequence
 
 import torch
-from engines.attention.base import LayerOptions, triton_runs
+from engines.attention.base import LayerOptions, kv_storage_dtype, triton_runs
 from engines.config import ModelConfig
 from engines.dist import Communicator, SingleProcess
 from engines.layers.fused import FusedOps
@@ -49,6 +49,7 @@ class ModelRunner:
         spec = self.spec
         self.dtype = torch_dtype(self.config.dtype, spec.checkpoint_dtype)
         cfg = self.config
+        self.kv_dtype = kv_storage_dtype(cfg.kv_cache_dtype, self.dtype)
         cls = None if cfg.trust_remote_code or cfg.model_impl == "transformers" else model_class(spec)
         quant = read_checkpoint_quant(spec.config)
         check_quantize_option(cfg.quantize, quant)
@@ -133,7 +134,7 @@ class ModelRunner:
     @property
     def kv_bytes_per_token(self) -> int:
         """K and V of one token over all layers, on this rank."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.kv_dtype).element_size()
 
     # -- forwards ---------------------------------------------------------------------------------
     @torch.inference_mode()

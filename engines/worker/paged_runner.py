@@ -90,8 +90,9 @@ class PagedRunner:
         """The attention backend and its KV cache (rank 0 sizes it and tells the others), the step
         buffers, and how decode steps run (decode_mode, chosen by the engine: docs/paged.md)."""
         r = self.runner
-        cls = select_backend(attention_backend, r.device)
-        self.backend = cls(r.num_layers, r.num_kv_heads, r.head_dim, block_size, r.dtype, r.device, r.layer_options)
+        cls = select_backend(attention_backend, r.device, r.kv_dtype)
+        self.backend = cls(r.num_layers, r.num_kv_heads, r.head_dim, block_size, r.dtype, r.device, r.layer_options,
+                           r.kv_dtype)
         self.backend.allocate(num_blocks)
         max_blocks = -(-r.max_model_len // block_size)
         self.buffers = StepBuffers(max(max_num_batched_tokens, max_num_seqs), max_num_seqs, max_blocks, block_size,

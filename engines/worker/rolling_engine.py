@@ -67,6 +67,9 @@ class RollingEngine(EngineLoop):
         self.limits: AdmissionLimits | None = None
 
     def load(self) -> None:
+        if self.config.model.kv_cache_dtype != "auto":
+            raise ValueError(f"option.kv_cache_dtype={self.config.model.kv_cache_dtype}: the padded engine keeps "
+                             "K/V in the model dtype; the paged engine stores fp8")
         self.runner.load()
         sched = self.config.scheduler
         with TIMELINE.phase("warm_up"):
