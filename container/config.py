@@ -329,6 +329,9 @@ def quantized_dtype(cfg: ResolvedConfig, num_gpus: int, fallback: str | None, sp
         raise ConfigError(f"option.quantize={method} quantises the linear layers of our model code, and "
                           f"{spec.architecture if spec else 'this model'} runs on the transformers fallback "
                           f"({fallback}); unset option.quantize")
+    if method == "int8_dynamic" and num_gpus:
+        raise ConfigError("option.quantize=int8_dynamic runs on CPU (PyTorch's x86 int8 GEMM), and this host has "
+                          f"{num_gpus} GPU(s); use option.quantize=int8 (weight-only) or an fp8 checkpoint")
     if method == "int4" and num_gpus:
         if dtype in ("fp16", "fp32"):
             raise ConfigError(f"option.quantize=int4 with option.dtype={dtype} on GPUs: PyTorch's CUDA int4 kernel "

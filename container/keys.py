@@ -77,13 +77,13 @@ def text(key: str, raw: str) -> str:
     return raw
 
 
-QUANTIZE_METHODS = ("int8", "int4")  # weight-only, quantised at load (engines/layers/quant.py)
+# quantised at load (engines/layers/quant.py): int8 / int4 weight-only, int8_dynamic int8 activations too (CPU)
+QUANTIZE_METHODS = ("int8", "int4", "int8_dynamic")
 # a pre-quantised checkpoint's own method: accepted when config.json's quantization_config says the same
 # (checked where the checkpoint is known: container/config.py, engines/quant_checkpoint.py)
 PREQUANTIZED_METHODS = ("gptq", "awq", "compressed-tensors", "fp8")
 _QUANTIZE_ALIASES = {"compressed_tensors": "compressed-tensors"}
 _QUANTIZE_MISSING = {
-    "int8_dynamic": "int8 activations are not implemented; int8 quantises the weights only",
     **dict.fromkeys(("marlin", "gptq_marlin", "awq_marlin", "bitsandbytes", "bitsandbytes-nf4", "bitsandbytes-fp4",
                      "eetq", "exl2", "squeezellm"),
                     "checkpoints in this format do not load; GPTQ, AWQ, compressed-tensors and fp8 ones do"),
@@ -96,8 +96,8 @@ def quantize_method(key: str, raw: str) -> str:
     if name in QUANTIZE_METHODS or name in PREQUANTIZED_METHODS:
         return name
     why = _QUANTIZE_MISSING.get(name, "not a method of lmi-serve")
-    raise ConfigError(f"{key}={raw!r} is not supported ({why}); what runs: int8 or int4 (weight-only, quantised "
-                      "at load from a bf16/fp16/fp32 checkpoint), the method of a pre-quantised GPTQ, AWQ, "
+    raise ConfigError(f"{key}={raw!r} is not supported ({why}); what runs: int8 or int4 (weight-only) or "
+                      "int8_dynamic (int8 activations too, CPU), quantised at load from a bf16/fp16/fp32 checkpoint, the method of a pre-quantised GPTQ, AWQ, "
                       "compressed-tensors or fp8 checkpoint, or unset it")
 
 
@@ -199,8 +199,9 @@ KEYS: tuple[Key, ...] = (
     Key("option.chat_template", text, None,
         "chat template: a file path or an inline Jinja template (default: the tokenizer's)"),
     Key("option.quantize", quantize_method, None,
-        "weight-only quantisation of our model code's linear layers at load: int8 (per output channel) or int4 "
-        "(groups of 32 inputs); CPU and CUDA (int4 on CUDA in bf16); the embeddings and LM head stay unquantised. "
+        "quantisation of our model code's linear layers at load: int8 (weight-only, per output channel) or int4 "
+        "(weight-only, groups of 32 inputs), CPU and CUDA (int4 on CUDA in bf16); int8_dynamic (int8 weights and "
+        "activations, CPU); the embeddings and LM head stay unquantised. "
         "A pre-quantised checkpoint (config.json quantization_config) loads with it unset or set to its own "
         "method: gptq, awq, compressed-tensors or fp8 (docs/quantization.md)"),
 )

@@ -34,8 +34,10 @@ def torch_dtype(name: str, declared: str | None) -> torch.dtype:
 
 
 def parameter_bytes(model: torch.nn.Module) -> int:
-    """Bytes of a model's parameters (on this rank)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of a model's parameters (on this rank), and of weights packed outside them
+    (engines/layers/quant.py: Int8DynamicWeight's `packed_bytes`)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters()) + \
+        sum(getattr(m, "packed_bytes", 0) for m in model.modules())
 
 
 def checkpoint_files(model_dir: str) -> list[str]:

@@ -17,6 +17,7 @@ the MoE experts' stacked [E, ...] weights stay in the model dtype.
 from __future__ import annotations
 
 import logging
+import warnings
 
 import torch
 from torch import nn
@@ -25,7 +26,7 @@ from engines.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 log = logging.getLogger(__name__)
 
-METHODS = ("int8", "int4")
+METHODS = ("int8", "int4", "int8_dynamic")
 INT4_GROUP_SIZE = 32  # inputs per int4 scale and zero point
 INT4_ROWS_MULTIPLE = 16  # the CPU int4 converter packs 16 output rows at a time (CUDA: 8)
 
@@ -137,6 +138,31 @@ class Int4Weight(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
 
+class Int8DynamicWeight(nn.Module):
+    """int8 weights and int8 activations (`option.quantize=int8_dynamic`, CPU): PyTorch's dynamic
+    quantised linear on its x86 engine (fbgemm / oneDNN int8 GEMMs with VNNI). The weight rows are
+    quantised as Int8Weight's (symmetric, one scale per output row) and prepacked once; each call
+    quantises its activations to uint8 with one scale and zero point for the whole [rows, in] input,
+    multiplies in int8 with int32 sums, and returns float32, cast back to the model dtype."""
+
+    method = "int8_dynamic"
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        q, scales = int8_quantize(weight, torch.float32)
+        with warnings.catch_warnings():  # PyTorch deprecates quantized tensors; its int8 linear still takes them
+            warnings.simplefilter("ignore", UserWarning)
+            qw = torch._make_per_channel_quantized_tensor(q, scales.double(), torch.zeros_like(scales, dtype=torch.long), 0)
+        self._packed = torch.ops.quantized.linear_prepack(qw, None)
+        self.packed_bytes = q.numel() + 4 * scales.numel()  # held outside parameters: what the weight costs
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1]).float()
+        y = torch.ops.quantized.linear_dynamic(flat, self._packed, False)
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+
 def check_quantizable(method: str, dtype: torch.dtype, device: torch.device) -> None:
     """Refuse, naming what runs instead, a method this device cannot run in this dtype."""
     if method not in METHODS:
@@ -145,6 +171,12 @@ def check_quantizable(method: str, dtype: torch.dtype, device: torch.device) -> 
     if method == "int4" and device.type == "cuda" and dtype != torch.bfloat16:
         raise ValueError(f"option.quantize=int4 on CUDA runs in bf16 only (PyTorch's int4 kernel), not {dtype}; "
                          "set option.dtype=bf16 or use option.quantize=int8")
+    if method == "int8_dynamic" and device.type != "cpu":
+        raise ValueError("option.quantize=int8_dynamic runs on CPU (PyTorch's x86 int8 GEMM); on CUDA use "
+                         "option.quantize=int8 (weight-only) or an fp8 checkpoint")
+    if method == "int8_dynamic" and torch.backends.quantized.engine not in ("x86", "fbgemm", "onednn"):
+        raise ValueError(f"option.quantize=int8_dynamic needs PyTorch's x86 quantized engine, and this CPU has "
+                         f"{torch.backends.quantized.engine}; use option.quantize=int8")
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"option.quantize={method} runs on CPU and CUDA, not {device.type}")
 
@@ -162,7 +194,7 @@ def quantize_linears(model: nn.Module, method: str) -> dict[str, int]:
     packed form, in place; `engines.layers.linear.linear` calls it. → {"linears", "skipped_params"}:
     how many were quantised, and how many parameters of stacked MoE experts stay in the model dtype."""
     check_quantizable(method, next(model.parameters()).dtype, next(model.parameters()).device)
-    pack = Int8Weight if method == "int8" else Int4Weight
+    pack = {"int8": Int8Weight, "int4": Int4Weight, "int8_dynamic": Int8DynamicWeight}[method]
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
     if method == "int4":
         for name, m in linears:
