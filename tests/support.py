@@ -190,6 +190,21 @@ def output_tokens(outputs: list) -> list[int]:
     return [t for o in outputs for t in o.token_ids]
 
 
+def run_tp2_job(tmp_path, job: dict, dirs: list[str]) -> dict:
+    """One `mpirun -np 2` of tests/tp_families.py over the model dirs with `job` (prompts, new_tokens,
+    options) → model dir → its greedy tokens per prompt."""
+    import json
+
+    job_path, out = tmp_path / "job.json", tmp_path / "out.json"
+    job_path.write_text(json.dumps(job))
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run(["mpirun", "--allow-run-as-root", "--bind-to", "none", "-np", "2", sys.executable, "-m",
+                           "tests.tp_families", str(out), str(job_path), *dirs], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
 def compare_backends_over_mixed_steps(oracle_cls, backend_cls, device, dtype, block_size: int, atol: float,
                                       heads: tuple[int, int] = (8, 2), dim: int = 64, layer=None) -> None:
     """Prefill chunks (one after cached context), decodes, a proposal-like 3-token chunk and bucket

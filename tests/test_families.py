@@ -6,9 +6,6 @@ there too; the EOS set of generation_config.json stops every engine."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,9 +16,8 @@ from container.model_maker import make_model
 from engines.models.registry import fallback_reason, paged_fallback
 from engines.models.spec import ModelSpec
 from engines.sampling_params import SamplingParams
-from tests.support import drive_engine, local_engine, output_tokens
+from tests.support import drive_engine, local_engine, output_tokens, run_tp2_job
 
-ROOT = Path(__file__).resolve().parents[1]
 # prompt lengths straddle a 16-token block and the 24-token windows of the windowed families
 PROMPTS = [[1] + [(7 * i + 3) % 1000 + 3 for i in range(n)] for n in (5, 17, 40)]
 NEW_TOKENS = 12
@@ -246,14 +242,7 @@ def test_native_families_at_tp2_give_hf_greedy_tokens(family_dir, tmp_path):
     biased = tmp_path / "falcon-bias"
     make_model(str(biased), arch="falcon", size="tiny", seed=5, overrides={"bias": True})
     dirs = [str(family_dir(arch, form)) for arch, form in TP2] + [str(biased)]
-    job, out = tmp_path / "job.json", tmp_path / "out.json"
-    job.write_text(json.dumps({"prompts": PROMPTS, "new_tokens": NEW_TOKENS}))
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run(["mpirun", "--allow-run-as-root", "--bind-to", "none", "-np", "2", sys.executable, "-m",
-                           "tests.tp_families", str(out), str(job), *dirs], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(out.read_text())
+    got = run_tp2_job(tmp_path, {"prompts": PROMPTS, "new_tokens": NEW_TOKENS}, dirs)
     for arch, model_dir in zip([a for a, _ in TP2] + ["falcon-bias"], dirs):
         assert got[model_dir] == hf_greedy(Path(model_dir)), arch
 

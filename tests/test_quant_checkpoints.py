@@ -221,23 +221,13 @@ def test_gptq_and_compressed_tensors_at_tp2_give_the_reference_greedy_tokens(tin
                                                                              tmp_path) -> None:
     """One mpirun job, two models: each rank packs its shard (column-parallel rows; row-parallel input
     halves, whole groups each) and the TP=2 tokens are the oracle's."""
-    import subprocess
-    import sys
-
-    from tests.support import ROOT
+    from tests.support import run_tp2_job
 
     pytest.importorskip("compressed_tensors")
     ct = tmp_path / "ct-w4a16"
     quant_ckpt.write_compressed_tensors(str(tiny_model), str(ct), "w4a16")
     dirs = [str(checkpoints["gptq-int4-sym"]), str(ct)]
-    job, out = tmp_path / "job.json", tmp_path / "out.json"
-    job.write_text(json.dumps({"prompts": PROMPTS, "new_tokens": NEW_TOKENS}))
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run(["mpirun", "--allow-run-as-root", "--bind-to", "none", "-np", "2", sys.executable, "-m",
-                           "tests.tp_families", str(out), str(job), *dirs], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(out.read_text())
+    got = run_tp2_job(tmp_path, {"prompts": PROMPTS, "new_tokens": NEW_TOKENS}, dirs)
     assert got[dirs[0]] == _reference_tokens(dirs[0])
     assert got[dirs[1]] == _oracle_tokens(ct)
 

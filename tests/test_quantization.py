@@ -193,22 +193,11 @@ class _RowHalves(torch.nn.Module):
 def test_int8_at_tp2_is_each_shard_quantised(tiny_model, tmp_path) -> None:
     """Each rank quantises its own shard: column-parallel rows as at TP=1, row-parallel halves with their
     own scales. The TP=2 greedy tokens are those of a TP=1 model quantised the same way."""
-    import json
-    import os
-    import subprocess
-    import sys
-
     from engines.sampling_params import SamplingParams
-    from tests.support import ROOT
+    from tests.support import run_tp2_job
 
     prompts, new = [[1] + [(7 * i + 3) % 1000 + 3 for i in range(n)] for n in (5, 17, 40)], 12
-    job, out = tmp_path / "job.json", tmp_path / "out.json"
-    job.write_text(json.dumps({"prompts": prompts, "new_tokens": new, "quantize": "int8"}))
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run(["mpirun", "--allow-run-as-root", "--bind-to", "none", "-np", "2", sys.executable, "-m",
-                           "tests.tp_families", str(out), str(job), str(tiny_model)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = run_tp2_job(tmp_path, {"prompts": prompts, "new_tokens": new, "quantize": "int8"}, [str(tiny_model)])
     engine = local_engine(tiny_model, "paged")
     for m in engine.runner.model.modules():
         if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
@@ -216,4 +205,4 @@ def test_int8_at_tp2_is_each_shard_quantised(tiny_model, tmp_path) -> None:
             del m.weight
             m.weight = Int8Weight(weight) if isinstance(m, ColumnParallelLinear) else _RowHalves(weight)
     outputs = drive_engine(engine, [(f"r{i}", p, SamplingParams(max_new_tokens=new)) for i, p in enumerate(prompts)])
-    assert json.loads(out.read_text())[str(tiny_model)] == [output_tokens(outputs[f"r{i}"]) for i in range(3)]
+    assert got[str(tiny_model)] == [output_tokens(outputs[f"r{i}"]) for i in range(3)]
