@@ -170,9 +170,10 @@ KEYS: tuple[Key, ...] = (
     Key("option.compile_cache_dir", text, None,
         "where torch.compile keeps its compiled code (TORCHINDUCTOR_CACHE_DIR), so that a restart is warm"),
     Key("option.tgi_compat", boolean, False, "/invocations answers as TGI's POST / (an array, or TGI's SSE stream)"),
-    Key("option.attention_backend", choice("auto", "flash_attn", "triton", "flex", "torch"), "auto",
+    Key("option.attention_backend", choice("auto", "flash_attn", "triton", "flex", "cpu", "torch"), "auto",
         "paged attention kernels: flash_attn (CUDA with flash-attn installed), triton (CUDA), flex (PyTorch "
-        "FlexAttention), torch, or auto (flash_attn, else triton on CUDA; torch on CPU)"),
+        "FlexAttention), cpu (our C decode kernel), torch, or auto (flash_attn, else triton on CUDA; on CPU cpu "
+        "when its kernel builds, else torch; torch for an fp8 KV cache)"),
     Key("option.kv_cache_dtype", choice("auto", "fp8", "fp8_e4m3", "fp8_e5m2"), "auto",
         "paged engine: how K/V are stored: auto (the model dtype), or fp8 (= fp8_e4m3) / fp8_e5m2, half of bf16's "
         "bytes, rounded on write and widened on read by the torch attention backend (docs/quantization.md)"),

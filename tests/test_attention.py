@@ -175,7 +175,7 @@ def test_select_backend():
     assert select_backend("torch", cpu) is TorchPagedBackend
     with pytest.raises(ValueError, match="flash_attn needs a CUDA device with the flash-attn package"):
         select_backend("flash_attn", cpu)
-    with pytest.raises(ValueError, match="must be one of auto, flash_attn, triton, flex, torch"):
+    with pytest.raises(ValueError, match="must be one of auto, flash_attn, triton, flex, cpu, torch"):
         select_backend("xformers", cpu)
     assert select_backend("triton", cpu).name == "triton"  # on CPU tensors under the interpreter (conftest)
 

@@ -25,7 +25,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "flash_attn", "triton", "flex", "torch")
+BACKENDS = ("auto", "flash_attn", "triton", "flex", "cpu", "torch")
 
 
 class LayerOptions(NamedTuple):
@@ -216,16 +216,18 @@ def flex_runs(device: torch.device) -> bool:
     return True
 
 
-def select_backend(name: str, device: torch.device, kv_dtype: torch.dtype | None = None) -> type[AttentionBackend]:
+def select_backend(name: str, device: torch.device, kv_dtype: torch.dtype | None = None,
+                   dtype: torch.dtype | None = None) -> type[AttentionBackend]:
     """The backend class for `option.attention_backend` on this device. auto: flash-attn on CUDA when
-    it imports, else the Triton kernel on CUDA, else torch; torch for an fp8 KV cache (kv_dtype)."""
+    it imports, else the Triton kernel on CUDA; on CPU our C kernel (float32 and bf16 models, `dtype`,
+    when it builds here), else torch; torch for an fp8 KV cache (kv_dtype)."""
     if name not in BACKENDS:
         raise ValueError(f"option.attention_backend must be one of {', '.join(BACKENDS)}, not {name!r}")
     if name == "auto" and kv_dtype is not None and kv_dtype.itemsize == 1:
         name = "torch"  # the backend that reads fp8 caches
     if name == "auto":
         name = "flash_attn" if flash_attn_available(device) else "triton" if device.type == "cuda" \
-            and triton_runs(device) else "torch"
+            and triton_runs(device) else "cpu" if cpu_kernel_runs(device, dtype) else "torch"
     if name == "flash_attn":
         if not flash_attn_available(device):
             raise ValueError(f"option.attention_backend=flash_attn needs a CUDA device with the flash-attn package "
@@ -246,6 +248,28 @@ def select_backend(name: str, device: torch.device, kv_dtype: torch.dtype | None
         from engines.attention.flex_backend import FlexPagedBackend
 
         return FlexPagedBackend
+    if name == "cpu":
+        from engines.attention.cpu_backend import CpuPagedBackend
+
+        return CpuPagedBackend
     from engines.attention.torch_backend import TorchPagedBackend
 
     return TorchPagedBackend
+
+
+def cpu_kernel_runs(device: torch.device, dtype: torch.dtype | None) -> bool:
+    """The CPU decode kernel takes this model (float32 or bf16 on a CPU) and builds here; the first
+    answer is logged, with the reason when it does not build."""
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return False
+    from engines.kernels import cpu_attention
+
+    runs = cpu_attention.load() is not None
+    if not runs and not _cpu_kernel_logged:
+        log.warning("the CPU paged decode kernel did not build (%s): the torch attention backend instead",
+                    cpu_attention.why())
+        _cpu_kernel_logged.append(True)
+    return runs
+
+
+_cpu_kernel_logged: list[bool] = []

@@ -96,17 +96,22 @@ class TorchPagedBackend(AttentionBackend):
         store_kv(k[0], v[0], k_cache, v_cache, meta.slot_mapping)
         q, opts = q[0], self.layers[layer]  # [N, Hq, D]
         if meta.decode_rows is None:  # decodes only: the compiled and captured shape
-            return decode_attention(q, k_cache, v_cache, meta.block_table, meta.context_lens, opts).unsqueeze(0)
+            return self.decode(q, k_cache, v_cache, meta.block_table, meta.context_lens, opts).unsqueeze(0)
         out = torch.zeros_like(q)  # padding tokens stay zero
         rows = meta.decode_rows
         if rows.numel():
             qd = q.new_zeros((meta.block_table.shape[0],) + q.shape[1:])
             qd[: rows.numel()] = q[rows]
-            out[rows] = decode_attention(qd, k_cache, v_cache, meta.block_table, meta.context_lens,
-                                         opts)[: rows.numel()]
+            out[rows] = self.decode(qd, k_cache, v_cache, meta.block_table, meta.context_lens, opts)[: rows.numel()]
         for start, n, ctx, blocks in meta.prefills:
             out[start:start + n] = prefill_attention(q[start:start + n], k_cache, v_cache, blocks, ctx, opts)
         return out.unsqueeze(0)
+
+    @staticmethod
+    def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+               context_lens: torch.Tensor, opts: LayerOptions) -> torch.Tensor:
+        """The decode rows' attention (the CPU backend's kernel replaces it)."""
+        return decode_attention(q, k_cache, v_cache, block_table, context_lens, opts)
 
     def warm_up(self, num_heads: int, decode_buckets: list[int], width_buckets: list[int]) -> None:
         """Every (decode bucket, width bucket) shape once; the widths are the ones steps use from now on."""

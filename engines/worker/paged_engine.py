@@ -119,7 +119,8 @@ class PagedEngine(EngineLoop):
     def _block_size(self) -> int:
         """option.kv_block_size, unless the attention backend needs another (flash-attn: 256)."""
         size = self.config.scheduler.kv_block_size
-        backend = select_backend(self.config.scheduler.attention_backend, self.runner.device, self.runner.kv_dtype)
+        backend = select_backend(self.config.scheduler.attention_backend, self.runner.device, self.runner.kv_dtype,
+                                 self.runner.dtype)
         need = backend.preferred_block_size
         if need and size % need:
             log.info("attention backend %s needs KV blocks of a multiple of %d tokens: using %d, not "

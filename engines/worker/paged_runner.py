@@ -90,7 +90,7 @@ class PagedRunner:
         """The attention backend and its KV cache (rank 0 sizes it and tells the others), the step
         buffers, and how decode steps run (decode_mode, chosen by the engine: docs/paged.md)."""
         r = self.runner
-        cls = select_backend(attention_backend, r.device, r.kv_dtype)
+        cls = select_backend(attention_backend, r.device, r.kv_dtype, r.dtype)
         self.backend = cls(r.num_layers, r.num_kv_heads, r.head_dim, block_size, r.dtype, r.device, r.layer_options,
                            r.kv_dtype)
         self.backend.allocate(num_blocks)

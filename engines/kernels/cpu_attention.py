@@ -1,0 +1,120 @@
+"""The CPU paged decode kernel (cpu_attention.c): built once per machine with the C compiler, loaded
+with ctypes, called on tensors' data pointers. No torch headers and no Python build step: a plain C
+file compiles in under a second with `cc -O3 -march=native -fopenmp`. The shared object is cached
+under ~/.cache/lmi-serve/kernels (a temporary directory when home is not writable), named by a hash
+of the source, the flags, the compiler's version and this CPU's feature flags, so a changed file, a
+new compiler or another machine (an image moved between hosts) builds afresh; it is written under a
+temporary name and renamed, so that processes building at once (tensor-parallel ranks) never load a
+half-written file.
+
+    kernel = load()                      # None when it cannot build here: why() says why
+    out = paged_decode(q, k_cache, v_cache, block_table, context_lens, opts)
+
+Its PyTorch twin, the oracle in tests, is engines.attention.torch_backend.decode_attention.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_attention.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
+DTYPES = {torch.float32: "lmi_paged_decode_f32", torch.bfloat16: "lmi_paged_decode_bf16"}
+_failure: list[str] = []  # why the kernel did not build, once load() has failed
+
+
+def why() -> str:
+    """Why load() returned None ('' when it did not)."""
+    return _failure[0] if _failure else ""
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _cache_dirs() -> list[Path]:
+    return [Path.home() / ".cache" / "lmi-serve" / "kernels", Path(tempfile.gettempdir()) / f"lmi-serve-kernels-{os.getuid()}"]
+
+
+def _build(compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.partial")
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *FLAGS, "-o", partial, str(SOURCE), "-lm"], check=True, capture_output=True,
+                       text=True, timeout=120)
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        _failure.append("no C compiler (cc or gcc) on PATH")
+        return None
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_flags()]).encode()).hexdigest()
+    errors = []
+    for directory in _cache_dirs():
+        target = directory / f"cpu_attention-{key[:16]}.so"
+        try:
+            if not target.exists():
+                _build(compiler, target)
+                log.info("built the CPU paged decode kernel: %s", target)
+            lib = ctypes.CDLL(str(target))
+        except subprocess.CalledProcessError as e:  # the source or the flags: no other directory helps
+            _failure.append(f"{compiler} failed: {e.stderr.strip()[-500:]}")
+            return None
+        except (OSError, subprocess.SubprocessError) as e:
+            errors.append(f"{directory}: {e}")
+            continue
+        for name in DTYPES.values():
+            fn = getattr(lib, name)
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                           ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + \
+                [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int64, ctypes.c_float, ctypes.c_int]
+            fn.restype = ctypes.c_int
+        return lib
+    _failure.append("; ".join(errors))
+    return None
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                 context_lens: torch.Tensor, opts) -> torch.Tensor:
+    """q: [B, Hq, D] (last dim contiguous), caches [Hkv, num_blocks, block_size, D] contiguous, in q's
+    dtype (float32 or bf16); block_table [B, >= blocks of the longest row] and context_lens [B], int64
+    (converted when not) → [B, Hq, D]. opts: the layer's LayerOptions."""
+    fn = getattr(load(), DTYPES[q.dtype])
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    block_table, context_lens = block_table.long(), context_lens.long().contiguous()
+    if block_table.stride(-1) != 1:
+        block_table = block_table.contiguous()
+    b, hq, d = q.shape
+    hkv, num_blocks, block_size, _ = k_cache.shape
+    out = torch.empty((b, hq, d), dtype=q.dtype)
+    failed = fn(q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(),
+                block_table.stride(0), context_lens.data_ptr(), out.data_ptr(), b, hq, hkv, d, num_blocks, block_size,
+                opts.scale, opts.window or 0, opts.softcap or 0.0, torch.get_num_threads())
+    if failed:
+        raise MemoryError("the CPU paged decode kernel could not allocate its scratch memory")
+    return out
