@@ -12,7 +12,8 @@
 
    Work item = (row, kv head): its group of num_heads / num_kv_heads query heads share every K/V row
    read. Per KV block: the rows widened to float32 once into a tile (L1), then
-     pass 1  scores[g][pos] = (q[g] * scale) . k[pos]   (then softcap: cap * tanh(s / cap))
+     pass 1  scores[g][pos] = (q[g] . k[pos]) * scale   (then softcap: cap * tanh(s / cap)); on a bf16
+             cache with AVX512-BF16 (-march=native finds it) straight from bf16 pairs, K not widened
      softmax over each head's scores in float32 (max, exp, sum, normalise)
      pass 2  acc[g] += p[g][pos] * v[pos]
    and acc rounded to the output dtype (bf16: round to nearest even). Everything accumulates in
@@ -24,6 +25,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#define PAIR_VECTORS 64 /* most 32-wide query vectors held for vdpbf16ps: group * head_dim <= 2048 */
+#endif
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -77,6 +82,22 @@ typedef struct {
     float scale, softcap;
 } Args;
 
+#if defined(__AVX512BF16__)
+/* Pass 1 on a bf16 cache where the CPU has AVX512-BF16: each K row's dot products with the group's
+   queries straight from bf16 pairs (vdpbf16ps: exact products, float32 sums), K never widened; the
+   row is read once for the whole group. q: group * chunks vectors of 32 bf16. */
+INLINE void pair_scores(const __m512bh *q, int64_t chunks, int64_t group, const uint16_t *k, int64_t rows,
+                        float scale, float *scores, int64_t n) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t g = 0; g < group; g++) {
+            __m512 sum = _mm512_setzero_ps();
+            for (int64_t c = 0; c < chunks; c++)
+                sum = _mm512_dpbf16_ps(sum, q[g * chunks + c], (__m512bh)_mm512_loadu_si512(k + (r * chunks + c) * 32));
+            scores[g * n + r] = _mm512_reduce_add_ps(sum) * scale;
+        }
+}
+#endif
+
 /* One (row, kv head). scratch: 2 * group * dim + block_size * dim + group * len floats. */
 INLINE void attend(const Args *a, int64_t row, int64_t head, const int64_t dim, int bf16, float *restrict scratch) {
     const int64_t group = a->num_heads / a->num_kv_heads, bs = a->block_size, len = a->context_lens[row];
@@ -87,25 +108,42 @@ INLINE void attend(const Args *a, int64_t row, int64_t head, const int64_t dim, 
     const int64_t head_offset = head * a->num_blocks * bs * dim;  /* this kv head's first block */
     const int64_t q_offset = row * a->q_row_stride + head * group * a->q_head_stride;
     for (int64_t g = 0; g < group; g++)
-        for (int64_t d = 0; d < dim; d++)
-            qf[g * dim + d] = load_elem(a->q, q_offset + g * a->q_head_stride + d, bf16) * a->scale;
+        for (int64_t d = 0; d < dim; d++) qf[g * dim + d] = load_elem(a->q, q_offset + g * a->q_head_stride + d, bf16);
     memset(acc, 0, sizeof(float) * group * dim);
+#if defined(__AVX512BF16__)
+    const int64_t chunks = dim / 32;
+    const int pairs = bf16 && dim % 32 == 0 && group * chunks <= PAIR_VECTORS;
+    __m512bh qv[PAIR_VECTORS];
+    for (int64_t g = 0; pairs && g < group; g++)
+        for (int64_t c = 0; c < chunks; c++)
+            qv[g * chunks + c] = (__m512bh)_mm512_loadu_si512((const uint16_t *)a->q + q_offset + g * a->q_head_stride + 32 * c);
+#else
+    const int pairs = 0;
+#endif
     for (int64_t j = lo / bs; j * bs < len; j++) {  /* pass 1, block by block */
         const int64_t first = j * bs > lo ? j * bs : lo, end = (j + 1) * bs < len ? (j + 1) * bs : len;
         const int64_t src = head_offset + (blocks[j] * bs + first - j * bs) * dim;
+#if defined(__AVX512BF16__)
+        if (pairs) {
+            pair_scores(qv, chunks, group, (const uint16_t *)a->k_cache + src, end - first, a->scale,
+                        scores + first - lo, n);
+            continue;
+        }
+#endif
         for (int64_t i = 0; i < (end - first) * dim; i++) tile[i] = load_elem(a->k_cache, src + i, bf16);
         for (int64_t g = 0; g < group; g++)
             for (int64_t r = 0; r < end - first; r++) {
                 float s = 0.f;
 #pragma omp simd reduction(+ : s)
                 for (int64_t d = 0; d < dim; d++) s += qf[g * dim + d] * tile[r * dim + d];
-                scores[g * n + first - lo + r] = s;
+                scores[g * n + first - lo + r] = s * a->scale;
             }
     }
     for (int64_t g = 0; g < group; g++) {  /* softmax */
         float *restrict s = scores + g * n, top = -INFINITY, sum = 0.f;
         if (a->softcap > 0.f)
             for (int64_t i = 0; i < n; i++) s[i] = a->softcap * tanhf(s[i] / a->softcap);
+#pragma omp simd reduction(max : top)
         for (int64_t i = 0; i < n; i++) top = s[i] > top ? s[i] : top;
 #pragma omp simd reduction(+ : sum)
         for (int64_t i = 0; i < n; i++) {
@@ -119,11 +157,14 @@ INLINE void attend(const Args *a, int64_t row, int64_t head, const int64_t dim, 
         const int64_t first = j * bs > lo ? j * bs : lo, end = (j + 1) * bs < len ? (j + 1) * bs : len;
         const int64_t src = head_offset + (blocks[j] * bs + first - j * bs) * dim;
         for (int64_t i = 0; i < (end - first) * dim; i++) tile[i] = load_elem(a->v_cache, src + i, bf16);
-        for (int64_t g = 0; g < group; g++) {
+        for (int64_t g = 0; g < group; g++) {  /* a local accumulator: registers across the block's rows */
             const float *restrict p = scores + g * n + first - lo;
+            float sum[dim];
+            for (int64_t d = 0; d < dim; d++) sum[d] = acc[g * dim + d];
             for (int64_t r = 0; r < end - first; r++)
 #pragma omp simd
-                for (int64_t d = 0; d < dim; d++) acc[g * dim + d] += p[r] * tile[r * dim + d];
+                for (int64_t d = 0; d < dim; d++) sum[d] += p[r] * tile[r * dim + d];
+            for (int64_t d = 0; d < dim; d++) acc[g * dim + d] = sum[d];
         }
     }
     const int64_t out_offset = (row * a->num_heads + head * group) * dim;
