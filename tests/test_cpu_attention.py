@@ -55,9 +55,30 @@ def test_the_kernel_matches_its_torch_twin(dtype, dim, hkv, group, opts):
     torch.testing.assert_close(got.float(), want, atol=atol, rtol=rtol)
 
 
-def test_rows_never_read_past_their_length():
+@pytest.fixture(scope="module")
+def portable_build(tmp_path_factory):
+    """The kernel built without AVX512-BF16 (the widening path every CPU runs), when this CPU has it
+    and the default build takes the vdpbf16ps path instead."""
+    if "avx512_bf16" not in cpu_attention._cpu_flags():
+        pytest.skip("this CPU has no AVX512-BF16: the default build is the portable one")
+    target = tmp_path_factory.mktemp("kernel") / "portable.so"
+    cpu_attention.build(cpu_attention.compiler(), target, ("-mno-avx512bf16",))
+    return cpu_attention.bind(target)
+
+
+@pytest.mark.parametrize("dim", [64, 128, 80])
+@pytest.mark.parametrize("opts", [LayerOptions(0.125), LayerOptions(0.3, window=20, softcap=5.0)], ids=["plain", "window"])
+def test_the_portable_bf16_path_matches_its_torch_twin(portable_build, dim, opts):
+    q, k_cache, v_cache, table, lens = _case(torch.bfloat16, dim, 2, 3)
+    got = cpu_attention.paged_decode(q, k_cache, v_cache, table, lens, opts, lib=portable_build)
+    want = decode_attention(q.float(), k_cache.float(), v_cache.float(), table, lens, opts)
+    torch.testing.assert_close(got.float(), want, atol=1e-3, rtol=2 ** -8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_rows_never_read_past_their_length(dtype):
     """Positions past a row's length and blocks past its last are poisoned (NaN): no output sees them."""
-    q, k_cache, v_cache, table, lens = _case(torch.float32, 64, 2, 2)
+    q, k_cache, v_cache, table, lens = _case(dtype, 64, 2, 2)
     k_poisoned, v_poisoned = k_cache.clone(), v_cache.clone()
     for row, length in enumerate(lens.tolist()):
         for pos in range(length, table.shape[1] * 16):
@@ -71,7 +92,9 @@ def test_rows_never_read_past_their_length():
             k_poisoned[:, block, offset], v_poisoned[:, block, offset] = float("nan"), float("nan")
     got = cpu_attention.paged_decode(q, k_poisoned, v_poisoned, table, lens, opts)
     assert not got.isnan().any()
-    torch.testing.assert_close(got, decode_attention(q, k_cache, v_cache, table, lens, opts), atol=1e-5, rtol=1e-5)
+    want = decode_attention(q.float(), k_cache.float(), v_cache.float(), table, lens, opts)
+    torch.testing.assert_close(got.float(), want, atol=1e-5 if dtype == torch.float32 else 1e-3,
+                               rtol=1e-5 if dtype == torch.float32 else 2 ** -8)
 
 
 @pytest.mark.parametrize("heads, dim, dtype, atol", [((8, 2), 64, torch.float32, 1e-5),
@@ -95,7 +118,7 @@ def test_auto_chooses_it_on_cpu_for_float32_and_bf16_models():
 
 
 def test_without_a_compiler_auto_chooses_torch_and_cpu_is_refused(monkeypatch):
-    monkeypatch.setattr(cpu_attention.shutil, "which", lambda name: None)
+    monkeypatch.setattr(cpu_attention, "compiler", lambda: None)
     monkeypatch.setattr(cpu_attention, "_failure", [])
     cpu_attention.load.cache_clear()
     try:

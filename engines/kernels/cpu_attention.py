@@ -52,58 +52,67 @@ def _cache_dirs() -> list[Path]:
     return [Path.home() / ".cache" / "lmi-serve" / "kernels", Path(tempfile.gettempdir()) / f"lmi-serve-kernels-{os.getuid()}"]
 
 
-def _build(compiler: str, target: Path) -> None:
+def build(compiler: str, target: Path, extra_flags: tuple[str, ...] = ()) -> None:
+    """Compile the kernel to `target`, atomically (a temporary name, then a rename)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.partial")
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, "-o", partial, str(SOURCE), "-lm"], check=True, capture_output=True,
-                       text=True, timeout=120)
+        subprocess.run([compiler, *FLAGS, *extra_flags, "-o", partial, str(SOURCE), "-lm"], check=True,
+                       capture_output=True, text=True, timeout=120)
         os.replace(partial, target)
     finally:
         if os.path.exists(partial):
             os.unlink(partial)
 
 
+def bind(path: Path) -> ctypes.CDLL:
+    """The built kernel, its functions typed."""
+    lib = ctypes.CDLL(str(path))
+    for name in DTYPES.values():
+        fn = getattr(lib, name)
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + \
+            [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int64, ctypes.c_float, ctypes.c_int]
+        fn.restype = ctypes.c_int
+    return lib
+
+
+def compiler() -> str | None:
+    return shutil.which("cc") or shutil.which("gcc")
+
+
 @functools.cache
 def load() -> ctypes.CDLL | None:
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+    cc = compiler()
+    if cc is None:
         _failure.append("no C compiler (cc or gcc) on PATH")
         return None
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_flags()]).encode()).hexdigest()
     errors = []
     for directory in _cache_dirs():
         target = directory / f"cpu_attention-{key[:16]}.so"
         try:
             if not target.exists():
-                _build(compiler, target)
+                build(cc, target)
                 log.info("built the CPU paged decode kernel: %s", target)
-            lib = ctypes.CDLL(str(target))
+            return bind(target)
         except subprocess.CalledProcessError as e:  # the source or the flags: no other directory helps
-            _failure.append(f"{compiler} failed: {e.stderr.strip()[-500:]}")
+            _failure.append(f"{cc} failed: {e.stderr.strip()[-500:]}")
             return None
         except (OSError, subprocess.SubprocessError) as e:
             errors.append(f"{directory}: {e}")
-            continue
-        for name in DTYPES.values():
-            fn = getattr(lib, name)
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                           ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + \
-                [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int64, ctypes.c_float, ctypes.c_int]
-            fn.restype = ctypes.c_int
-        return lib
     _failure.append("; ".join(errors))
     return None
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                 context_lens: torch.Tensor, opts) -> torch.Tensor:
+                 context_lens: torch.Tensor, opts, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """q: [B, Hq, D] (last dim contiguous), caches [Hkv, num_blocks, block_size, D] contiguous, in q's
     dtype (float32 or bf16); block_table [B, >= blocks of the longest row] and context_lens [B], int64
-    (converted when not) → [B, Hq, D]. opts: the layer's LayerOptions."""
-    fn = getattr(load(), DTYPES[q.dtype])
+    (converted when not) → [B, Hq, D]. opts: the layer's LayerOptions; lib: another build (tests)."""
+    fn = getattr(lib or load(), DTYPES[q.dtype])
     if q.stride(-1) != 1:
         q = q.contiguous()
     block_table, context_lens = block_table.long(), context_lens.long().contiguous()
