@@ -523,8 +523,39 @@ def acceptance(report: dict, ctx: dict) -> list[dict]:
               (f"paged >= padded ({n} clients tok/s)", ratio(tok_s, figure(padded, "clients", "tok_s")),
                lambda v: v >= 1),
               (f"paged TTFT of the {p}-token prompt <= 70 ms", figure(paged, "ttft", "ms"), lambda v: v <= 70)]
+    for name, r in report["servers"].items():  # quantised variants (issue 22): against their own floor
+        method = quantize_of(r.get("properties", ""))
+        if not method:
+            continue
+        own = quantized_floor(report, ctx, method)
+        checks.append((f"{name} batch 1 <= 1.5x its {method} weight-read floor ({fmt(own, '.3f')} ms)",
+                       ratio(figure(r, "batch1", "ms_per_token"), own), lambda v: v <= 1.5))
+        if method == "fp8":
+            checks.append((f"{name} {n} clients >= 1.6x paged bf16", ratio(figure(r, "clients", "tok_s"), tok_s),
+                           lambda v: v >= 1.6))
     return [{"check": c, "value": v, "result": "SKIP" if v is None else ("PASS" if ok(v) else "FAIL")}
             for c, v, ok in checks]
+
+
+def quantize_of(properties: str) -> str | None:
+    """option.quantize in a server's properties text, if any."""
+    return next((line.split("=", 1)[1].strip() for line in properties.splitlines()
+                 if line.strip().startswith("option.quantize=")), None)
+
+
+def quantized_floor(report: dict, ctx: dict, method: str) -> float | None:
+    """The batch-1 floor of a model quantised with `method`: the bf16 floor times the bytes a decode step
+    reads quantised over bf16 (lmi plan's count of packed weights and scales; the input embedding,
+    read a row a token, left out of both)."""
+    from container.planner import read_model_shape
+
+    floor = report.get("floor_ms_per_token")
+    if not floor:
+        return None
+    shape = read_model_shape(ctx["model_dir"])
+    embedding = 2 * (report["num_parameters"] - report["weight_bytes"] // 2)
+    return floor * (shape.weight_bytes_per_rank(1, 2, method) - embedding) / \
+        (shape.weight_bytes_per_rank(1, 2, None) - embedding)
 
 
 def plot(report: dict, ctx: dict, path: str) -> str | None:

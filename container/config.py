@@ -329,6 +329,15 @@ def quantized_dtype(cfg: ResolvedConfig, num_gpus: int, fallback: str | None, sp
         raise ConfigError(f"option.quantize={method} quantises the linear layers of our model code, and "
                           f"{spec.architecture if spec else 'this model'} runs on the transformers fallback "
                           f"({fallback}); unset option.quantize")
+    if method == "fp8" and not quant:
+        if not num_gpus:
+            raise ConfigError("option.quantize=fp8 runs on CUDA GPUs with fp8 tensor cores (compute capability 8.9+: "
+                              "L4, L40S, H100, H200), and this host has none; on CPU use option.quantize=int8_dynamic "
+                              "(the fastest here) or int8")
+        if dtype in ("fp16", "fp32"):
+            raise ConfigError(f"option.quantize=fp8 with option.dtype={dtype}: the fp8 GEMM writes bf16; set "
+                              "option.dtype=bf16 or unset it")
+        return "bf16"
     if method == "int8_dynamic" and num_gpus:
         raise ConfigError("option.quantize=int8_dynamic runs on CPU (PyTorch's x86 int8 GEMM), and this host has "
                           f"{num_gpus} GPU(s); use option.quantize=int8 (weight-only) or an fp8 checkpoint")

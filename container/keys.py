@@ -77,8 +77,9 @@ def text(key: str, raw: str) -> str:
     return raw
 
 
-# quantised at load (engines/layers/quant.py): int8 / int4 weight-only, int8_dynamic int8 activations too (CPU)
-QUANTIZE_METHODS = ("int8", "int4", "int8_dynamic")
+# quantised at load (engines/layers/quant.py): int8 / int4 weight-only, int8_dynamic int8 activations too (CPU),
+# fp8 (CUDA 8.9+; also an fp8 checkpoint's own method)
+QUANTIZE_METHODS = ("int8", "int4", "int8_dynamic", "fp8")
 # a pre-quantised checkpoint's own method: accepted when config.json's quantization_config says the same
 # (checked where the checkpoint is known: container/config.py, engines/quant_checkpoint.py)
 PREQUANTIZED_METHODS = ("gptq", "awq", "compressed-tensors", "fp8")
@@ -97,7 +98,8 @@ def quantize_method(key: str, raw: str) -> str:
         return name
     why = _QUANTIZE_MISSING.get(name, "not a method of lmi-serve")
     raise ConfigError(f"{key}={raw!r} is not supported ({why}); what runs: int8 or int4 (weight-only) or "
-                      "int8_dynamic (int8 activations too, CPU), quantised at load from a bf16/fp16/fp32 checkpoint, the method of a pre-quantised GPTQ, AWQ, "
+                      "int8_dynamic (int8 activations too, CPU) or fp8 (fp8 weights and activations, CUDA 8.9+), quantised at "
+                      "load from a bf16/fp16/fp32 checkpoint, the method of a pre-quantised GPTQ, AWQ, "
                       "compressed-tensors or fp8 checkpoint, or unset it")
 
 
@@ -202,7 +204,8 @@ KEYS: tuple[Key, ...] = (
     Key("option.quantize", quantize_method, None,
         "quantisation of our model code's linear layers at load: int8 (weight-only, per output channel) or int4 "
         "(weight-only, groups of 32 inputs), CPU and CUDA (int4 on CUDA in bf16); int8_dynamic (int8 weights and "
-        "activations, CPU); the embeddings and LM head stay unquantised. "
+        "activations, CPU); fp8 (e4m3 weights per output channel and activations per token, torch._scaled_mm: CUDA "
+        "GPUs of compute capability 8.9+, bf16); the embeddings and LM head stay unquantised. "
         "A pre-quantised checkpoint (config.json quantization_config) loads with it unset or set to its own "
         "method: gptq, awq, compressed-tensors or fp8 (docs/quantization.md)"),
 )

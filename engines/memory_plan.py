@@ -30,7 +30,7 @@ CPU_RUNTIME_BYTES = GIB // 2  # the Python interpreter, torch and transformers o
 DEFAULT_CPU_KV_FRACTION = 0.25  # of available RAM: the cap of the CPU KV cache when unset
 TP_DEGREES = (1, 2, 4, 8)
 LOGITS_COPIES = 2  # gathered logits and the sampler's processed copy, float32
-QUANT_WEIGHT_BYTES = {"int8": 1.0, "int8_dynamic": 1.0, "int4": 0.5}  # option.quantize: bytes per linear weight, before scales
+QUANT_WEIGHT_BYTES = {"int8": 1.0, "int8_dynamic": 1.0, "int4": 0.5, "fp8": 1.0}  # option.quantize: bytes per linear weight, before scales
 INT4_GROUP_SIZE = 32  # engines/layers/quant.py's (no torch here)
 
 
@@ -88,7 +88,7 @@ class ModelShape:
             per_weight = packed_bytes_per_weight(self.checkpoint_quant, dtype_bytes, self.hidden_size)
         else:
             scales = {"int8": dtype_bytes / self.hidden_size, "int8_dynamic": 4 / self.hidden_size,
-                      "int4": 2 * dtype_bytes / INT4_GROUP_SIZE}[quantize]
+                      "fp8": 4 / self.hidden_size, "int4": 2 * dtype_bytes / INT4_GROUP_SIZE}[quantize]
             per_weight = QUANT_WEIGHT_BYTES[quantize] + scales
         return (local - linears) * dtype_bytes + math.ceil(linears * per_weight)
 

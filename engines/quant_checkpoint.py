@@ -130,11 +130,24 @@ def _compressed_tensors(qc: dict) -> CheckpointQuant:
                            bits, int(w["group_size"]) if strategy == "group" else None, symmetric, ignore=ignore)
 
 
+def is_fp8(quant: CheckpointQuant) -> bool:
+    return quant.method == "fp8" or quant.layout == "float-quantized"
+
+
 def dequantize_reason(quant: CheckpointQuant, device_type: str, is_bf16: bool) -> str | None:
     """Why this checkpoint's weights dequantise to the model dtype on load (no packed kernel for them
     on `device_type`); None: they load packed (engines/quant_load.py)."""
-    if quant.method == "fp8" or quant.layout == "float-quantized":
-        return f"fp8 weights: no fp8 kernel on {device_type} in lmi-serve yet"
+    if is_fp8(quant):
+        from engines.layers.quant import Fp8Policy
+
+        if quant.block:
+            return (f"block-scaled fp8 (one scale per {quant.block[0]}x{quant.block[1]} block): the fp8 kernel takes "
+                    "one scale per output row")
+        if device_type == "cpu" and not Fp8Policy.allow_cpu:
+            return "fp8 weights: no fp8 GEMM on CPU (fp8 runs on CUDA GPUs of compute capability 8.9+)"
+        if device_type == "cuda" and not is_bf16:
+            return "the fp8 GEMM writes bf16, and the model runs in another dtype"
+        return None if device_type in ("cpu", "cuda") else f"no fp8 GEMM on {device_type}"
     if quant.desc_act:
         return "act-order GPTQ (desc_act): each input's group is permuted, which no packed kernel here takes"
     if quant.bits == 8 and quant.group_size:
@@ -150,7 +163,10 @@ def dequantize_reason(quant: CheckpointQuant, device_type: str, is_bf16: bool) -
 
 def packed_bytes_per_weight(quant: CheckpointQuant, dtype_bytes: int, row_inputs: int) -> float:
     """What one weight of a packed linear holds in memory, its share of scales and zero points included
-    (int4: a scale and zero per kernel group of at most 256 inputs; int8: a scale per row of `row_inputs`)."""
+    (int4: a scale and zero per kernel group of at most 256 inputs; int8: a scale per row of `row_inputs`;
+    fp8: a float32 scale per row)."""
+    if is_fp8(quant):
+        return 1 + 4 / row_inputs
     if quant.bits == 8:
         return 1 + dtype_bytes / row_inputs
     return 0.5 + 2 * dtype_bytes / min(quant.group_size or 256, 256)
@@ -158,9 +174,9 @@ def packed_bytes_per_weight(quant: CheckpointQuant, dtype_bytes: int, row_inputs
 
 def check_quantize_option(option: str | None, quant: CheckpointQuant | None) -> None:
     """option.quantize against the checkpoint: unset or the checkpoint's own method for a pre-quantised
-    one; int8/int4 (quantise at load) for an unquantised one."""
+    one; int8/int4/int8_dynamic/fp8 (quantise at load) for an unquantised one."""
     if quant is None:
-        if option in METHODS:
+        if option in METHODS and option != "fp8":  # fp8 also quantises at load (engines/layers/quant.py)
             raise ValueError(f"option.quantize={option} loads a checkpoint pre-quantised with {option}, and this "
                              "one's config.json has no quantization_config; use option.quantize=int8 or int4 to "
                              "quantise at load, or unset it")

@@ -14,8 +14,10 @@ then each linear packs its shard in the kernel's convention, (q − z)·s = (q �
 other parameter stands aside meanwhile (a zero-size stand-in), so a quantised tensor whose target is
 not a parallel linear (a quantised LM head) fails there and loads dequantised instead.
 
-Dequantised to the model dtype, with a log line saying why: fp8 weights (no fp8 kernel here yet, CPU
-or CUDA), act-order GPTQ, 8-bit groups, and any shard whose shape the int4 kernel cannot take.
+fp8 weights with per-tensor or per-channel scales → Fp8Weight (per-row scales: a fused q/k/v keeps each
+part's) where the fp8 GEMM runs (CUDA 8.9+, bf16). Dequantised to the model dtype, with a log line
+saying why: fp8 elsewhere (CPU) and block-scaled fp8, act-order GPTQ, 8-bit groups, and any shard
+whose shape the int4 kernel cannot take.
 """
 
 from __future__ import annotations
@@ -28,9 +30,9 @@ import torch
 from torch import nn
 
 from engines.layers.linear import ColumnParallelLinear, RowParallelLinear
-from engines.layers.quant import INT4_ROWS_MULTIPLE, Int4Weight, Int8Weight
+from engines.layers.quant import INT4_ROWS_MULTIPLE, Fp8Weight, Int4Weight, Int8Weight, fp8_kernel_problem
 from engines.layers.quant_formats import decode, decode_gptq_act_order, dequantize
-from engines.quant_checkpoint import CheckpointQuant, dequantize_reason
+from engines.quant_checkpoint import CheckpointQuant, dequantize_reason, is_fp8
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +59,8 @@ def pack_quantized(model: nn.Module, quant: CheckpointQuant, tensors: dict[str, 
         raise ValueError(f"a {quant.method} checkpoint of a model with stacked MoE experts: pre-quantised experts "
                          "do not load yet; serve the bf16 checkpoint (option.quantize=int8 or int4 for the rest)")
     device = next(model.parameters()).device
-    why = dequantize_reason(quant, device.type, dtype == torch.bfloat16)
+    why = dequantize_reason(quant, device.type, dtype == torch.bfloat16) or \
+        (fp8_kernel_problem(device, dtype) if is_fp8(quant) else None)
     if why:
         log.warning("%s checkpoint: dequantising its weights to %s on load (%s); they take the memory of an "
                     "unquantised model", quant.method, dtype, why)
@@ -81,7 +84,7 @@ def load_dequantized(model: nn.Module, quant: CheckpointQuant, tensors: dict[str
 
 def packed_parameters(model: nn.Module) -> set[int]:
     """ids of the parameters of packed weights (nothing else fills them)."""
-    return {id(p) for m in model.modules() if isinstance(m, (Int4Weight, Int8Weight)) for p in m.parameters()}
+    return {id(p) for m in model.modules() if isinstance(m, (Int4Weight, Int8Weight, Fp8Weight)) for p in m.parameters()}
 
 
 def _read_all(readers: dict[str, Reader]) -> dict[str, torch.Tensor]:
@@ -105,8 +108,11 @@ def _pack_all(model: nn.Module, quant: CheckpointQuant, tensors: dict[str, dict[
     linears = {name: m for name, m in model.named_modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
     originals = {name: m.weight for name, m in linears.items()}
     group = quant.group_size
-    # codes: uint8 for 4 bits (255: not filled), int16 for 8 (-1: not filled); scales, zeros float32 (NaN)
-    code_dtype, unfilled = (torch.uint8, 255) if quant.bits == 4 else (torch.int16, -1)
+    # codes: uint8 for 4 bits (255: not filled), int16 for 8 (-1: not filled), float32 for fp8 values (NaN, as
+    # scales and zeros); fp8 has no zeros
+    fp8 = is_fp8(quant)
+    code_dtype, unfilled = (torch.float32, float("nan")) if fp8 else (torch.uint8, 255) if quant.bits == 4 \
+        else (torch.int16, -1)
 
     def capture(shape, kind, fill, device):
         return nn.Parameter(torch.full(shape, fill, dtype=kind, device=device), requires_grad=False)
@@ -126,7 +132,7 @@ def _pack_all(model: nn.Module, quant: CheckpointQuant, tensors: dict[str, dict[
             stages = [lambda idx, d=d: d.q[idx],
                       lambda idx, d=d, p=prefix: _group_columns(d.scales, idx, group, p),
                       lambda idx, d=d, p=prefix: _group_columns(d.zeros, idx, group, p)]
-            for stage, reader in enumerate(stages):
+            for stage, reader in enumerate(stages[:2] if fp8 else stages):
                 for name, m in linears.items():
                     m.weight = caps[name][stage]
                 try:
@@ -147,12 +153,13 @@ def _pack_all(model: nn.Module, quant: CheckpointQuant, tensors: dict[str, dict[
     done = Counter()
     for name, m in linears.items():
         q, s, z = caps.pop(name)
-        missing = q == unfilled
+        missing = torch.isnan(q) if fp8 else q == unfilled
         if missing.all():
             continue  # not quantised in the checkpoint: its weight loads as it is
-        if missing.any() or torch.isnan(s).any() or torch.isnan(z).any():
+        if missing.any() or torch.isnan(s).any() or (not fp8 and torch.isnan(z).any()):
             raise ValueError(f"{name}: the checkpoint quantises some of its fused parts and not others")
-        packed, how = pack_shard(q, s, z, group, quant.bits, dtype)
+        packed, how = (Fp8Weight.from_quantized(q, s[:, 0]), "fp8") if fp8 else pack_shard(q, s, z, group, quant.bits,
+                                                                                          dtype)
         done[how] += 1
         del m.weight
         m.weight = packed

@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from engines.layers.quant import Int4Weight, Int8Weight
+from engines.layers.quant import Fp8Policy, Fp8Weight, Int4Weight, Int8Weight
 from tests import quant_ckpt
 from tests.support import drive_engine, hf_oracle, local_engine, output_tokens
 
@@ -147,8 +147,45 @@ def test_compressed_tensors_give_transformers_greedy_tokens_on_the_same_file(tin
         tokens, model = _engine_tokens(out, quantize="compressed-tensors")
     assert isinstance(model.layers[0].mlp.gate_up_proj.weight, CT_SCHEMES[scheme])
     if scheme.startswith("fp8"):
-        assert any("fp8 weights: no fp8 kernel on cpu" in r.getMessage() for r in caplog.records)
+        assert any("fp8 weights: no fp8 GEMM on CPU (fp8 runs on CUDA GPUs of compute capability 8.9+)" in r.getMessage()
+                   for r in caplog.records)
     assert tokens == _oracle_tokens(out)  # transformers decompresses the file with compressed_tensors
+
+
+def test_an_fp8_checkpoint_loads_as_fp8_where_the_fp8_gemm_runs(tiny_model, tmp_path, monkeypatch, caplog) -> None:
+    """Its CUDA path (compute capability 8.9+) on CPU tensors: every linear an Fp8Weight holding the
+    file's own e4m3 codes and per-channel scales (a fused q/k/v: each part's rows with their scales);
+    its greedy tokens against transformers' (weights decompressed, activations unquantised, so
+    fp8 activations may part from it late). Block-scaled fp8 still dequantises, saying why."""
+    pytest.importorskip("compressed_tensors")
+    from safetensors.torch import load_file
+
+    monkeypatch.setattr(Fp8Policy, "allow_cpu", True)
+    out = tmp_path / "fp8-channel"
+    quant_ckpt.write_compressed_tensors(str(tiny_model), str(out), "fp8-channel")
+    tokens, model = _engine_tokens(out, quantize="compressed-tensors")
+    file = load_file(str(out / "model.safetensors"))
+    down, qkv = model.layers[0].mlp.down_proj.weight, model.layers[1].self_attn.qkv_proj.weight
+    assert isinstance(down, Fp8Weight) and isinstance(qkv, Fp8Weight)
+    name = "model.layers.0.mlp.down_proj"
+    assert torch.equal(down.qweight.view(torch.uint8), file[name + ".weight"].view(torch.uint8))
+    assert torch.equal(down.scales[0], file[name + ".weight_scale"].float().view(-1))
+    parts = [f"model.layers.1.self_attn.{p}_proj" for p in "qkv"]
+    assert torch.equal(qkv.scales[0], torch.cat([file[p + ".weight_scale"].float().view(-1) for p in parts]))
+    oracle = _oracle_tokens(out)
+    agree = [next((i for i, (a, b) in enumerate(zip(t, o)) if a != b), len(o)) for t, o in zip(tokens, oracle)]
+    print(f"fp8 checkpoint: greedy tokens equal to transformers' for the first {agree} of {NEW_TOKENS}")
+    assert sum(agree) >= len(PROMPTS) * NEW_TOKENS // 2, agree
+    with caplog.at_level(logging.WARNING):
+        _, model = _engine_tokens(quant_ckpt_dir(tiny_model, tmp_path, "fp8-block"))
+    assert isinstance(model.layers[0].mlp.down_proj.weight, torch.Tensor)
+    assert any("block-scaled fp8 (one scale per 32x32 block): the fp8 kernel takes one scale per output row"
+               in r.getMessage() for r in caplog.records)
+
+
+def quant_ckpt_dir(tiny_model, tmp_path, name: str):
+    WRITERS[name](str(tiny_model), str(tmp_path / name))
+    return tmp_path / name
 
 
 def test_asymmetric_compressed_tensors_match_the_librarys_own_decompression(tiny_model, tmp_path) -> None:

@@ -10,8 +10,8 @@ import torch
 from engines.dist import SingleProcess
 from engines.layers.linear import ColumnParallelLinear, RowParallelLinear, linear
 from engines.layers.quant import (
-    INT4_GROUP_SIZE, Int4Weight, Int8DynamicWeight, Int8Weight, check_quantizable, int4_dequantize, int4_quantize,
-    int8_quantize, quantize_linears,
+    FP8_MAX, INT4_GROUP_SIZE, Fp8Policy, Fp8Weight, Int4Weight, Int8DynamicWeight, Int8Weight, check_quantizable,
+    fp8_quantize, int4_dequantize, int4_quantize, int8_quantize, quantize_linears,
 )
 from tests.support import drive_engine, local_engine, output_tokens
 
@@ -80,6 +80,39 @@ def test_int8_dynamic_linear_is_its_quantised_activations_times_its_quantised_we
     assert ((y.float() - exact).norm() / exact.norm()).item() < 0.02
 
 
+@pytest.fixture
+def fp8_on_cpu(monkeypatch):
+    """The fp8 path on CPU tensors (PyTorch's CPU `_scaled_mm`): the code a GPU of compute capability
+    8.9+ runs, which a CPU deployment refuses."""
+    monkeypatch.setattr(Fp8Policy, "allow_cpu", True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_fp8_linear_is_its_quantised_activations_times_its_quantised_weights(dtype) -> None:
+    """Weight rows to e4m3 with one scale each (amax / 448), each input row likewise: the product of the
+    two dequantised, in float32."""
+    torch.manual_seed(4)
+    w = torch.randn(48, 96).to(dtype) * 0.05
+    x = (torch.randn(2, 5, 96) + 0.3).to(dtype)
+    q, scales = fp8_quantize(w)
+    assert q.dtype == torch.float8_e4m3fn and q.float().abs().amax().item() == FP8_MAX  # each row's largest: ±448
+    flat = x.float().reshape(-1, 96)
+    x_scales = flat.abs().amax(dim=1, keepdim=True) / FP8_MAX
+    reference = ((flat / x_scales).to(torch.float8_e4m3fn).float() * x_scales) @ (q.float() * scales[:, None]).t()
+    y = linear(x, Fp8Weight(w))
+    assert y.shape == (2, 5, 48) and y.dtype == dtype
+    _close(y, reference.view(2, 5, 48), dtype)
+    exact = x.float() @ w.float().t()
+    assert ((y.float() - exact).norm() / exact.norm()).item() < 0.05  # e4m3: 3 mantissa bits on both sides
+
+
+def test_fp8_is_refused_where_no_fp8_gemm_runs() -> None:
+    with pytest.raises(ValueError, match=r"option.quantize=fp8 runs on CUDA GPUs with fp8 tensor cores \(compute "
+                                         r"capability 8.9\+: L4, L40S, H100, H200\) in bf16 \(no fp8 GEMM on CPU\); "
+                                         r"use option.quantize=int8_dynamic \(the fastest here\) or int8"):
+        check_quantizable("fp8", torch.bfloat16, torch.device("cpu"))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_cuda_kernels_match_the_reference(method) -> None:
@@ -125,8 +158,8 @@ def test_quantize_linears_swaps_the_weights_in_place(method) -> None:
 def test_int4_refuses_a_shape_it_cannot_pack() -> None:
     with pytest.raises(ValueError, match="option.quantize=int4 cannot pack qkv.*use option.quantize=int8"):
         quantize_linears(_layers(out_features=40), "int4")
-    with pytest.raises(ValueError, match="int8, int4"):
-        quantize_linears(_layers(), "fp8")
+    with pytest.raises(ValueError, match="int8, int4, int8_dynamic and fp8 quantise at load"):
+        quantize_linears(_layers(), "nf4")
     with pytest.raises(ValueError, match="int8_dynamic runs on CPU"):
         check_quantizable("int8_dynamic", torch.bfloat16, torch.device("cuda"))
 
@@ -145,12 +178,13 @@ def held(tiny_model):
     return ids, _top1(local_engine(tiny_model, "paged"), ids)
 
 
-# Measured on the tiny random model (fp32): int8 0.97, int4 0.62, int8_dynamic 0.92 over 118 positions. A random model's
+# Measured on the tiny random model (fp32): int8 0.97, int4 0.62, int8_dynamic 0.92, fp8 0.83 over 118 positions. A random model's
 # top-1 is fragile (bf16 alone agrees 0.95 with fp32 on the `mini` one); docs/quantization.md has the figures.
-@pytest.mark.parametrize("method, floor", [("int8", 0.95), ("int4", 0.5), ("int8_dynamic", 0.85)])
-def test_paged_engine_serves_a_quantised_model(tiny_model, held, method, floor) -> None:
+@pytest.mark.parametrize("method, floor", [("int8", 0.95), ("int4", 0.5), ("int8_dynamic", 0.85), ("fp8", 0.75)])
+def test_paged_engine_serves_a_quantised_model(tiny_model, held, method, floor, monkeypatch) -> None:
     from engines.sampling_params import SamplingParams
 
+    monkeypatch.setattr(Fp8Policy, "allow_cpu", True)  # fp8: its CUDA path on CPU tensors
     ids, reference = held
     engine = local_engine(tiny_model, "paged", quantize=method)
     assert engine.runner.model.layers[0].mlp.down_proj.weight.method == method
@@ -162,8 +196,8 @@ def test_paged_engine_serves_a_quantised_model(tiny_model, held, method, floor) 
     assert all(len(output_tokens(outputs[f"r{i}"])) == 8 for i in range(len(prompts)))
 
 
-@pytest.mark.parametrize("method", [None, "int8", "int4", "int8_dynamic"])
-def test_plan_counts_the_quantised_bytes_the_engine_holds(tiny_model, method) -> None:
+@pytest.mark.parametrize("method", [None, "int8", "int4", "int8_dynamic", "fp8"])
+def test_plan_counts_the_quantised_bytes_the_engine_holds(tiny_model, method, fp8_on_cpu) -> None:
     from container.planner import read_model_shape
 
     shape = read_model_shape(str(tiny_model))
@@ -171,9 +205,9 @@ def test_plan_counts_the_quantised_bytes_the_engine_holds(tiny_model, method) ->
     assert shape.linear_parameters == 73_728
     planned = shape.weight_bytes_per_rank(1, 2, method)
     # bf16: the rest at 2 bytes; int8: 1 byte + a 2-byte scale per 64-input row; int4: ½ + 2 · 2 bytes per 32;
-    # int8_dynamic: 1 byte + a 4-byte scale per row
+    # int8_dynamic and fp8: 1 byte + a 4-byte scale per row
     assert planned == {None: 410_240, "int8": 262_784 + 76_032, "int4": 262_784 + 46_080,
-                       "int8_dynamic": 262_784 + 78_336}[method]
+                       "int8_dynamic": 262_784 + 78_336, "fp8": 262_784 + 78_336}[method]
     held = local_engine(tiny_model, "paged", dtype="bf16", quantize=method).runner.weight_bytes
     assert abs(planned - held) <= 0.01 * held, (planned, held)
 

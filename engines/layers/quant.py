@@ -26,7 +26,8 @@ from engines.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 log = logging.getLogger(__name__)
 
-METHODS = ("int8", "int4", "int8_dynamic")
+METHODS = ("int8", "int4", "int8_dynamic", "fp8")
+FP8_MAX = 448.0  # the largest float8_e4m3fn value
 INT4_GROUP_SIZE = 32  # inputs per int4 scale and zero point
 INT4_ROWS_MULTIPLE = 16  # the CPU int4 converter packs 16 output rows at a time (CUDA: 8)
 
@@ -163,10 +164,74 @@ class Int8DynamicWeight(nn.Module):
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
 
+class Fp8Policy:
+    """Where the fp8 kernel may run. CUDA devices of compute capability 8.9 and up (fp8 tensor cores:
+    L4, L40S, H100, H200) in bf16; tests let it run on CPU, where PyTorch's `_scaled_mm` computes the
+    same product (slowly), so that the code a GPU runs is the code the CPU suite runs."""
+
+    allow_cpu = False
+
+
+def fp8_kernel_problem(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why fp8 weights cannot be multiplied as fp8 here (None: they can)."""
+    if device.type == "cpu":
+        return None if Fp8Policy.allow_cpu else "no fp8 GEMM on CPU"
+    if device.type != "cuda":
+        return f"no fp8 GEMM on {device.type}"
+    if torch.cuda.get_device_capability(device) < (8, 9):
+        return f"fp8 tensor cores need compute capability 8.9+, and this GPU has {torch.cuda.get_device_capability(device)}"
+    if dtype != torch.bfloat16:
+        return f"the fp8 GEMM with row-wise scales writes bf16, and the model runs in {dtype}"
+    return None
+
+
+def fp8_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [out, in] → (q float8_e4m3fn [out, in], s float32 [out]) with W ≈ q · s per output row."""
+    w = weight.float()
+    scales = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=1e-12)
+    return (w / scales[:, None]).to(torch.float8_e4m3fn), scales
+
+
+class Fp8Weight(nn.Module):
+    """fp8 weights and fp8 activations (`option.quantize=fp8`, and fp8 checkpoints with per-tensor or
+    per-channel scales): W ≈ q · s, q float8_e4m3fn [out, in], s [out]; each call quantises its
+    activations to e4m3 with one scale per row (amax / 448) and multiplies with `torch._scaled_mm`,
+    both scales applied to the float32 sums. A fused q/k/v weight keeps each part's scale per row."""
+
+    method = "fp8"
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self._set(*fp8_quantize(weight))
+
+    @classmethod
+    def from_quantized(cls, q: torch.Tensor, scales: torch.Tensor) -> "Fp8Weight":
+        """A checkpoint's fp8 rows q [out, in] and their scales [out]."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self._set(q.to(torch.float8_e4m3fn), scales.float())
+        return self
+
+    def _set(self, q: torch.Tensor, scales: torch.Tensor) -> None:
+        self.out_features, self.in_features = q.shape
+        self.qweight = nn.Parameter(q.contiguous(), requires_grad=False)
+        self.scales = nn.Parameter(scales.reshape(1, -1).contiguous(), requires_grad=False)  # [1, out]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        rows = flat.shape[0]
+        if flat.is_cuda and rows % 16:  # the CUDA kernel takes rows in multiples of 16
+            flat = torch.nn.functional.pad(flat, (0, 0, 0, 16 - rows % 16))
+        x_scales = (flat.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)  # [rows, 1]
+        xq = (flat.float() / x_scales).to(torch.float8_e4m3fn)
+        y = torch._scaled_mm(xq, self.qweight.t(), scale_a=x_scales, scale_b=self.scales, out_dtype=x.dtype)
+        return y[:rows].view(*x.shape[:-1], self.out_features)
+
+
 def check_quantizable(method: str, dtype: torch.dtype, device: torch.device) -> None:
     """Refuse, naming what runs instead, a method this device cannot run in this dtype."""
     if method not in METHODS:
-        raise ValueError(f"option.quantize={method}: weight-only int8 and int4 run here; "
+        raise ValueError(f"option.quantize={method}: int8, int4, int8_dynamic and fp8 quantise at load; "
                          f"use one of {', '.join(METHODS)} or unset it")
     if method == "int4" and device.type == "cuda" and dtype != torch.bfloat16:
         raise ValueError(f"option.quantize=int4 on CUDA runs in bf16 only (PyTorch's int4 kernel), not {dtype}; "
@@ -177,6 +242,10 @@ def check_quantizable(method: str, dtype: torch.dtype, device: torch.device) -> 
     if method == "int8_dynamic" and torch.backends.quantized.engine not in ("x86", "fbgemm", "onednn"):
         raise ValueError(f"option.quantize=int8_dynamic needs PyTorch's x86 quantized engine, and this CPU has "
                          f"{torch.backends.quantized.engine}; use option.quantize=int8")
+    if method == "fp8" and fp8_kernel_problem(device, dtype):
+        raise ValueError(f"option.quantize=fp8 runs on CUDA GPUs with fp8 tensor cores (compute capability 8.9+: "
+                         f"L4, L40S, H100, H200) in bf16 ({fp8_kernel_problem(device, dtype)}); use "
+                         f"{'option.quantize=int8_dynamic (the fastest here) or int8' if device.type == 'cpu' else 'option.quantize=int8 or int4'}")
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"option.quantize={method} runs on CPU and CUDA, not {device.type}")
 
@@ -194,7 +263,7 @@ def quantize_linears(model: nn.Module, method: str) -> dict[str, int]:
     packed form, in place; `engines.layers.linear.linear` calls it. → {"linears", "skipped_params"}:
     how many were quantised, and how many parameters of stacked MoE experts stay in the model dtype."""
     check_quantizable(method, next(model.parameters()).dtype, next(model.parameters()).device)
-    pack = {"int8": Int8Weight, "int4": Int4Weight, "int8_dynamic": Int8DynamicWeight}[method]
+    pack = {"int8": Int8Weight, "int4": Int4Weight, "int8_dynamic": Int8DynamicWeight, "fp8": Fp8Weight}[method]
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
     if method == "int4":
         for name, m in linears:

@@ -63,7 +63,7 @@ class ModelRunner:
             self.num_kv_heads, self.head_dim = self.model.num_kv_heads, self.model.head_dim
             self.layer_options = self._layer_options()
             self.is_native = self.owns_kv = True
-            if cfg.quantize in QUANTIZE_AT_LOAD:  # else a pre-quantised checkpoint's method, loaded as it is
+            if cfg.quantize in QUANTIZE_AT_LOAD and quant is None:  # else the checkpoint's method, loaded as it is
                 self._quantize(cfg.quantize)
             if self.device.type == "cpu" and self.dtype == torch.bfloat16:
                 self._choose_cpu_matmul(spec)
