@@ -15,7 +15,7 @@ import logging
 from dataclasses import dataclass, field
 
 from engines.sampling_params import SamplingParams
-from handlers.errors import bad_request
+from handlers.errors import HttpError, bad_request
 
 log = logging.getLogger(__name__)
 
@@ -86,10 +86,23 @@ def parse_request(body: dict, *, default_max_new_tokens: int, limits: RequestLim
         params = {}
     if not isinstance(params, dict):
         raise bad_request(f"\"parameters\" must be a JSON object, not {_type_name(params)}")
+    _refuse_adapters(body.get("adapters"), "adapters")  # DJL LMI's field, beside "inputs"
+    _refuse_adapters(params.get("adapter_id"), "parameters.adapter_id")  # TGI's
     stream = _bool(body, "stream", False, where="")
     if params.get("stream") is not None:
         stream = _bool(params, "stream", False)
     return _build(inputs, is_list, params, stream, default_max_new_tokens)
+
+
+def _refuse_adapters(value, where: str) -> None:
+    """A request for a LoRA adapter: a 404 naming it (none is served), never the base model's answer
+    under the adapter's name. An empty value asks for the base model."""
+    if value in (None, "", []):
+        return
+    names = value if isinstance(value, list) else [value]
+    shown = ", ".join(json.dumps(n) for n in names[:4]) + (", ..." if len(names) > 4 else "")
+    raise HttpError(404, f"\"{where}\": no LoRA adapter named {shown}: this server serves the base model only "
+                         "(lmi-serve does not load LoRA adapters yet); send the request without it", param=where)
 
 
 def _inputs(value, limits: RequestLimits) -> tuple[list[str], bool]:
@@ -123,7 +136,7 @@ def _check_text(text: str, where: str, limits: RequestLimits | None = None) -> N
 _KNOWN = {"max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "repetition_penalty", "seed",
           "stop_sequences", "stop", "ignore_eos", "ignore_eos_token", "details", "return_full_text",
           "decoder_input_details", "top_n_tokens", "stop_token_ids", "stream", "presence_penalty",
-          "frequency_penalty", "truncate", "min_p"}
+          "frequency_penalty", "truncate", "min_p", "adapter_id"}  # adapter_id: refused unless empty (_refuse_adapters)
 
 
 # Parameters LMI, TGI or vLLM define that we do not implement, with the value that changes nothing

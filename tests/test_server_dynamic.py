@@ -153,6 +153,12 @@ BAD_INPUTS = [
     ("too-long", {"inputs": "word " * 600, "parameters": {"max_new_tokens": 1000}}, 400,
      "exceeds the model's maximum length of 1024 tokens"),
     ("oversized-body", {"inputs": "x" * (MAX_REQUEST_SIZE + 10)}, 413, "exceeds max_request_size (100000 bytes)"),
+    # a LoRA adapter asked for (DJL's top-level field, TGI's parameter): 404, never the base model's answer
+    ("adapters-name", {"inputs": "a", "adapters": "my-adapter"}, 404,
+     '"adapters": no LoRA adapter named "my-adapter": this server serves the base model only'),
+    ("adapters-list", {"inputs": ["a", "b"], "adapters": ["x", "y"]}, 404, 'no LoRA adapter named "x", "y"'),
+    ("adapter-id", {"inputs": "a", "parameters": {"adapter_id": "tgi-adapter"}}, 404,
+     '"parameters.adapter_id": no LoRA adapter named "tgi-adapter"'),
 ]
 
 

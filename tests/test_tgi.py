@@ -81,6 +81,17 @@ def test_the_text_generation_client_streams(server, hf):
     assert events[-1].details.generated_tokens == 5
 
 
+def test_an_adapter_id_is_a_404_naming_it(server):
+    """TGI's LoRA parameter: not served, so not answered by the base model under the adapter's name."""
+    resp = server.post({"inputs": PROMPT, "parameters": {"adapter_id": "math-lora", "max_new_tokens": 2}},
+                       path="/generate")
+    assert resp.status_code == 404, resp.text
+    assert resp.json()["error"].startswith('"parameters.adapter_id": no LoRA adapter named "math-lora"')
+    # an empty adapter_id asks for the base model
+    assert server.post({"inputs": PROMPT, "parameters": {"adapter_id": "", "max_new_tokens": 2}},
+                       path="/generate").status_code == 200
+
+
 def test_the_text_generation_client_gets_a_clear_error_for_what_we_lack(server):
     with pytest.raises(ValidationError, match="typical_p"):
         Client(server.url, timeout=60).generate(PROMPT, max_new_tokens=2, typical_p=0.5)
