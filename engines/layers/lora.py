@@ -1,0 +1,185 @@
+"""LoRA adapters for our model code: PEFT adapters read from disk, held in per-linear slot banks, and
+their deltas added for a batch whose rows use different adapters (the punica / S-LoRA idea: no
+merged copies of the model, no per-request weights).
+
+    adapter = read_peft_adapter(path)                 # adapter_config.json + adapter_model.safetensors
+    banks = LoraBanks(model, max_loras, max_rank)     # a bank per decoder linear, on the model's device
+    banks.load(slot, adapter)                         # slot 1 .. max_loras (0: no adapter, all zeros)
+    y += bank.delta(x, groups)                        # groups: (slot, rows) of one step's tokens
+
+For a linear W [out, in] an adapter adds  Δy = (x Aᵀ) Bᵀ · scaling  with A [r, in], B [out, r],
+scaling = lora_alpha / r (lora_alpha / √r with use_rslora), folded into B at load. Banks hold every
+slot zero-padded to max_rank:
+
+    column-parallel (fused parts p = q, k, v or gate, up):
+        A [S, P·R, in]                 the parts' A stacked
+        B [S, out_local, P·R]          block-diagonal: part p's rows read only columns p·R .. (p+1)·R
+    row-parallel (o, down):
+        A [S, R, in_local]             this rank's input columns
+        B [S, out, R]                  whole: each rank's partial delta joins the all-reduce with the
+                                       partial product, since B·Σ(x_s A_sᵀ) = Σ B·(x_s A_sᵀ)
+
+A column-parallel shard takes the rows of B the base weight's shard takes (q: its heads; k/v: the
+KV heads this rank holds, replicated when there are fewer than ranks); A whole. A part an adapter
+does not target stays zero. The delta of a step is computed per adapter over the rows that use it
+(two small matmuls each); rows of slot 0 get nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+# HF module name → (owner, our module, fused part or None)
+TARGETS = {"q_proj": ("self_attn", "qkv_proj", 0), "k_proj": ("self_attn", "qkv_proj", 1),
+           "v_proj": ("self_attn", "qkv_proj", 2), "o_proj": ("self_attn", "o_proj", None),
+           "gate_proj": ("mlp", "gate_up_proj", 0), "up_proj": ("mlp", "gate_up_proj", 1),
+           "down_proj": ("mlp", "down_proj", None)}
+_KEY = re.compile(r"^base_model\.model\.(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
+
+
+@dataclass
+class LoraAdapter:
+    name: str
+    rank: int
+    scaling: float
+    # (layer, HF module name) → (A [r, in], B [out, r]) in float32
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def target_modules(self) -> set[str]:
+        return {module for _, module in self.weights}
+
+
+def read_peft_adapter(path: str, name: str | None = None) -> LoraAdapter:
+    """A PEFT LoRA adapter directory → LoraAdapter; anything it cannot serve exactly is refused naming
+    the field (bias training, extra trained modules, DoRA, per-module ranks, fan-in/fan-out layout)."""
+    from safetensors.torch import load_file
+
+    name = name or os.path.basename(os.path.normpath(path))
+    with open(os.path.join(path, "adapter_config.json")) as f:
+        cfg = json.load(f)
+    problems = [f"{key}={cfg.get(key)!r}" for key, ok in (
+        ("peft_type", lambda v: v in (None, "LORA")), ("bias", lambda v: v in (None, "none")),
+        ("modules_to_save", lambda v: not v), ("use_dora", lambda v: not v), ("fan_in_fan_out", lambda v: not v),
+        ("rank_pattern", lambda v: not v), ("alpha_pattern", lambda v: not v)) if not ok(cfg.get(key))]
+    if problems:
+        raise ValueError(f"LoRA adapter {name!r} ({path}): {', '.join(problems)} in adapter_config.json is not "
+                         "supported; adapters with plain LoRA weights on the attention and MLP projections are")
+    rank, alpha = int(cfg["r"]), float(cfg.get("lora_alpha", cfg["r"]))
+    scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
+    tensors = load_file(os.path.join(path, "adapter_model.safetensors"))
+    adapter = LoraAdapter(name, rank, scaling)
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        m = _KEY.match(key)
+        if not m or m.group(3) not in TARGETS or TARGETS[m.group(3)][0] != m.group(2):
+            raise ValueError(f"LoRA adapter {name!r}: {key} targets a module lmi-serve does not adapt (it adapts "
+                             f"{', '.join(TARGETS)} of the decoder layers)")
+        pairs.setdefault((int(m.group(1)), m.group(3)), {})[m.group(4)] = t.float()
+    for where, ab in pairs.items():
+        if set(ab) != {"A", "B"}:
+            raise ValueError(f"LoRA adapter {name!r}: layer {where[0]} {where[1]} has lora_{''.join(ab)} alone")
+        adapter.weights[where] = (ab["A"], ab["B"])
+    return adapter
+
+
+class LoraBank(nn.Module):
+    """One linear's slots (see the module docstring for the layout)."""
+
+    def __init__(self, linear: nn.Module, max_loras: int, max_rank: int, rows: list[tuple[int, int] | None],
+                 dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        weight = linear.weight  # a tensor, or option.quantize's packed module
+        out, k = (weight.out_features, weight.in_features) if isinstance(weight, nn.Module) else weight.shape
+        self.row_parallel = not hasattr(linear, "part_sizes")
+        self.part_sizes = [out] if self.row_parallel else list(linear.part_sizes)
+        self.rows = rows  # per part: this rank's rows of the full part (None: all)
+        self.max_rank = max_rank
+        parts = len(self.part_sizes)
+        self.A = nn.Parameter(torch.zeros(max_loras + 1, parts * max_rank, k, dtype=dtype, device=device),
+                              requires_grad=False)
+        self.B = nn.Parameter(torch.zeros(max_loras + 1, out, parts * max_rank, dtype=dtype, device=device),
+                              requires_grad=False)
+
+    def load(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor, cols: tuple[int, int] | None) -> None:
+        """A [r, in_full], B [out_full_part, r] (scaling folded in) into `slot`'s part."""
+        r = a.shape[0]
+        start = sum(self.part_sizes[:part])
+        lo, hi = self.rows[part] or (0, b.shape[0])
+        a = a[:, cols[0]:cols[1]] if cols else a
+        self.A.data[slot, part * self.max_rank:part * self.max_rank + r].copy_(a)
+        self.B.data[slot, start:start + self.part_sizes[part], part * self.max_rank:part * self.max_rank + r].copy_(
+            b[lo:hi])
+
+    def clear(self, slot: int) -> None:
+        self.A.data[slot].zero_()
+        self.B.data[slot].zero_()
+
+    def delta(self, x: torch.Tensor, groups: list[tuple[int, torch.Tensor | slice]]) -> torch.Tensor:
+        """x [N, in] → Δy [N, out]: each group's rows (a slice or an index tensor) through its slot."""
+        out = x.new_zeros(x.shape[0], self.B.shape[1])
+        for slot, rows in groups:
+            if slot == 0:
+                continue
+            xs = x[rows]
+            d = torch.matmul(torch.matmul(xs, self.A[slot].t()), self.B[slot].t())
+            if isinstance(rows, slice):
+                out[rows] = d
+            else:
+                out.index_copy_(0, rows, d)
+        return out
+
+
+class LoraBanks:
+    """A bank for every adapted linear of the decoder layers (Llama-style: self_attn.qkv_proj/o_proj,
+    mlp.gate_up_proj/down_proj), shaped like this rank's shards."""
+
+    def __init__(self, model: nn.Module, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device):
+        self.max_loras, self.max_rank = max_loras, max_rank
+        self.banks: dict[tuple[int, str], LoraBank] = {}
+        for i, layer in enumerate(model.layers):
+            attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+            if not hasattr(attn, "qkv_proj") or not hasattr(mlp, "gate_up_proj"):
+                raise ValueError(f"LoRA adapters run on Llama-style decoder layers (self_attn.qkv_proj, "
+                                 f"mlp.gate_up_proj); {type(model).__name__} layer {i} is not one")
+            comm = attn.qkv_proj.comm
+            q_rows = _shard(attn.qkv_proj.part_sizes[0] * comm.world_size, comm)
+            kv_rows = attn.kv_rows or _shard(attn.kv_size, comm)  # a replicated KV head's rows, or the shard's
+            gate = _shard(mlp.gate_up_proj.part_sizes[0] * comm.world_size, comm)
+            for name, linear, rows in (("qkv_proj", attn.qkv_proj, [q_rows, kv_rows, kv_rows]),
+                                       ("o_proj", attn.o_proj, [None]),
+                                       ("gate_up_proj", mlp.gate_up_proj, [gate, gate]),
+                                       ("down_proj", mlp.down_proj, [None])):
+                self.banks[(i, name)] = LoraBank(linear, max_loras, max_rank, rows, dtype, device)
+        self.comm = comm
+
+    def load(self, slot: int, adapter: LoraAdapter) -> None:
+        if not 1 <= slot <= self.max_loras:
+            raise ValueError(f"LoRA slot {slot} is outside 1..{self.max_loras}")
+        if adapter.rank > self.max_rank:
+            raise ValueError(f"LoRA adapter {adapter.name!r} has rank {adapter.rank}, above option.max_lora_rank="
+                             f"{self.max_rank}")
+        for bank in self.banks.values():
+            bank.clear(slot)
+        for (layer, module), (a, b) in adapter.weights.items():
+            if (layer, TARGETS[module][1]) not in self.banks:
+                raise ValueError(f"LoRA adapter {adapter.name!r}: layer {layer} is past the model's "
+                                 f"{len(self.banks) // 4} layers")
+            _, ours, part = TARGETS[module]
+            bank = self.banks[(layer, ours)]
+            cols = _shard(a.shape[1], self.comm) if bank.row_parallel else None
+            bank.load(slot, part or 0, a, b * adapter.scaling, cols)
+
+
+def _shard(size: int, comm) -> tuple[int, int] | None:
+    if comm.world_size == 1:
+        return None
+    part = size // comm.world_size
+    return comm.rank * part, (comm.rank + 1) * part

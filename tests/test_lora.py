@@ -1,0 +1,131 @@
+"""LoRA adapters' compute core (engines/layers/lora.py): PEFT adapters written by peft itself read
+into per-linear slot banks of our model, and one batch whose rows use the base model and two
+adapters (different ranks, target modules, rsLoRA scaling) gets, row by row, exactly the delta
+peft's own LoRA layers add (`PeftModel`, not merged); the tensor-parallel shards of a bank add up to
+the whole; adapters lmi-serve cannot serve exactly are refused naming the field."""
+
+from __future__ import annotations
+
+import json
+import re
+import types
+
+import pytest
+import torch
+
+from engines.layers.lora import LoraBank, LoraBanks, read_peft_adapter
+from tests.support import local_engine
+
+peft = pytest.importorskip("peft")
+
+ADAPTERS = {  # name → LoraConfig arguments
+    "attn-r4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"]),
+    "mlp-r8-rs": dict(r=8, lora_alpha=4, target_modules=["gate_proj", "up_proj", "down_proj", "k_proj"],
+                      use_rslora=True),
+}
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model, tmp_path_factory):
+    """Each adapter written by peft with random A and B (init_lora_weights=False: B is not zero), and
+    the PeftModel of each, on the float32 tiny model."""
+    from transformers import AutoModelForCausalLM
+
+    root, made = tmp_path_factory.mktemp("adapters"), {}
+    for i, (name, kw) in enumerate(ADAPTERS.items()):
+        torch.manual_seed(10 + i)
+        base = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32)
+        model = peft.get_peft_model(base, peft.LoraConfig(init_lora_weights=False, **kw))
+        model.save_pretrained(str(root / name))
+        made[name] = (root / name, model)
+    return made
+
+
+def _peft_delta(model, layer: int, module: str, x: torch.Tensor) -> torch.Tensor:
+    owner = "self_attn" if module[0] in "qkvo" else "mlp"
+    wrapped = getattr(getattr(model.base_model.model.model.layers[layer], owner), module)
+    base = wrapped.base_layer if hasattr(wrapped, "base_layer") else wrapped
+    with torch.no_grad():
+        return wrapped(x) - base(x)
+
+
+def test_a_mixed_batch_gets_each_rows_adapter_delta_as_peft_computes_it(tiny_model, adapters):
+    model = local_engine(tiny_model, "paged").runner.model
+    banks = LoraBanks(model, max_loras=2, max_rank=8, dtype=torch.float32, device=torch.device("cpu"))
+    for slot, name in enumerate(ADAPTERS, start=1):
+        adapter = read_peft_adapter(str(adapters[name][0]))
+        assert adapter.name == name and adapter.rank == ADAPTERS[name]["r"]
+        banks.load(slot, adapter)
+    torch.manual_seed(0)
+    hidden = model.layers[0].self_attn.qkv_proj.weight.shape[1]
+    inter = model.layers[0].mlp.down_proj.weight.shape[1]
+    # rows 0-1 base, rows 2 and 4 "attn-r4" (an index list), rows 3 and 5 "mlp-r8-rs"
+    groups = [(0, slice(0, 2)), (1, torch.tensor([2, 4])), (2, torch.tensor([3, 5]))]
+    slot_of_row = [0, 0, 1, 2, 1, 2]
+    names = [None] + list(ADAPTERS)
+    for layer in range(len(model.layers)):
+        for ours, parts, width in (("qkv_proj", ["q_proj", "k_proj", "v_proj"], hidden), ("o_proj", ["o_proj"], hidden),
+                                   ("gate_up_proj", ["gate_proj", "up_proj"], hidden),
+                                   ("down_proj", ["down_proj"], inter)):
+            x = torch.randn(6, width)
+            got = banks.banks[(layer, ours)].delta(x, groups)
+            for row, slot in enumerate(slot_of_row):
+                if slot == 0:
+                    want = torch.zeros(got.shape[1])
+                else:
+                    peft_model = adapters[names[slot]][1]
+                    want = torch.cat([_peft_delta(peft_model, layer, m, x[row:row + 1])[0] for m in parts])
+                torch.testing.assert_close(got[row], want, atol=1e-5, rtol=1e-5,
+                                           msg=f"layer {layer} {ours} row {row} ({names[slot]})")
+
+
+def test_tensor_parallel_shards_add_up_to_the_whole():
+    """A column-parallel bank's two shards (its rows of each fused part) side by side, and a row-
+    parallel bank's partial deltas (each rank's input columns) summed, equal the whole bank's delta."""
+    torch.manual_seed(1)
+    a_q, b_q, a_k, b_k = torch.randn(4, 16), torch.randn(8, 4), torch.randn(4, 16), torch.randn(6, 4)
+
+    def column(rows, part_sizes):
+        linear = types.SimpleNamespace(weight=torch.empty(sum(part_sizes), 16), part_sizes=part_sizes)
+        bank = LoraBank(linear, 1, 4, rows, torch.float32, torch.device("cpu"))
+        bank.load(1, 0, a_q, b_q, None)
+        bank.load(1, 1, a_k, b_k, None)
+        return bank
+
+    x = torch.randn(3, 16)
+    whole = column([None, None], [8, 6]).delta(x, [(1, slice(0, 3))])
+    halves = [column([(0, 4), (0, 3)], [4, 3]).delta(x, [(1, slice(0, 3))]),
+              column([(4, 8), (3, 6)], [4, 3]).delta(x, [(1, slice(0, 3))])]
+    torch.testing.assert_close(torch.cat([halves[0][:, :4], halves[1][:, :4], halves[0][:, 4:], halves[1][:, 4:]], 1),
+                               whole)
+
+    a_o, b_o = torch.randn(4, 16), torch.randn(10, 4)
+
+    def row(cols):
+        bank = LoraBank(types.SimpleNamespace(weight=torch.empty(10, 16 if cols is None else 8)), 1, 4, [None],
+                        torch.float32, torch.device("cpu"))
+        bank.load(1, 0, a_o, b_o, cols)
+        return bank
+
+    torch.testing.assert_close(row((0, 8)).delta(x[:, :8], [(1, slice(0, 3))])
+                               + row((8, 16)).delta(x[:, 8:], [(1, slice(0, 3))]),
+                               row(None).delta(x, [(1, slice(0, 3))]))
+
+
+def test_adapters_it_cannot_serve_exactly_are_refused(adapters, tmp_path, tiny_model):
+    src = adapters["attn-r4"][0]
+    for field, value in (("bias", "all"), ("use_dora", True), ("modules_to_save", ["lm_head"]),
+                         ("rank_pattern", {"q_proj": 2})):
+        bad = tmp_path / field
+        bad.mkdir()
+        cfg = json.loads((src / "adapter_config.json").read_text())
+        cfg[field] = value
+        (bad / "adapter_config.json").write_text(json.dumps(cfg))
+        (bad / "adapter_model.safetensors").write_bytes((src / "adapter_model.safetensors").read_bytes())
+        with pytest.raises(ValueError, match=f"LoRA adapter '{field}' .*{re.escape(f'{field}={value!r}')} in "
+                                             "adapter_config.json is not supported"):
+            read_peft_adapter(str(bad))
+    model = local_engine(tiny_model, "paged").runner.model
+    banks = LoraBanks(model, max_loras=1, max_rank=4, dtype=torch.float32, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="rank 8, above option.max_lora_rank=4"):
+        banks.load(1, read_peft_adapter(str(adapters["mlp-r8-rs"][0])))
