@@ -168,3 +168,12 @@ def test_the_paged_engine_with_it_gives_hf_greedy_tokens(tiny_model, hf, sched):
     for i, p in enumerate(PROMPTS):
         assert output_tokens(outs[f"g{i}"]) == hf(p, 10), i
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+def test_a_row_of_no_context_is_zeros():
+    q, k_cache, v_cache, table, lens = _case(torch.bfloat16, 64, 2, 2)
+    lens[1] = 0
+    got = cpu_attention.paged_decode(q, k_cache, v_cache, table, lens, LayerOptions(0.125))
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
+    want = decode_attention(q.float(), k_cache.float(), v_cache.float(), table, lens, LayerOptions(0.125))
+    torch.testing.assert_close(got[[0, 2, 3]].float(), want[[0, 2, 3]], atol=1e-3, rtol=2 ** -8)

@@ -187,7 +187,12 @@ INLINE int run(const Args *a, int bf16, int threads) {
 #pragma omp for schedule(dynamic)
         for (int64_t item = 0; item < a->num_rows * a->num_kv_heads; item++) {
             const int64_t row = item / a->num_kv_heads, head = item % a->num_kv_heads;
-            if (!scratch || a->context_lens[row] <= 0) continue;
+            if (!scratch) continue;
+            if (a->context_lens[row] <= 0) {  /* nothing to attend (steps never send one): zeros, not garbage */
+                for (int64_t i = 0; i < group * dim; i++)
+                    store_elem(a->out, (row * a->num_heads + head * group) * dim + i, 0.f, bf16);
+                continue;
+            }
             if (dim == 64)
                 attend(a, row, head, 64, bf16, scratch);
             else if (dim == 128)
