@@ -270,11 +270,14 @@ def build(cfg: ResolvedConfig, *, local_dir: str, spec: ModelSpec | None,
                           f"the HF fallback path runs at tensor_parallel_degree=1 only ({fallback})")
     dtype = quantized_dtype(cfg, num_gpus, fallback, spec)
     check_kv_cache_dtype(cfg, kind)
+    check_lora(cfg, kind, fallback)
     model = ModelConfig(local_dir=local_dir, model_id=cfg["option.model_id"], revision=cfg["option.revision"],
                         dtype=dtype, trust_remote_code=cfg["option.trust_remote_code"],
                         model_impl=cfg["option.model_impl"],
                         max_model_len=cfg["option.max_model_len"], quantize=cfg["option.quantize"],
-                        kv_cache_dtype=cfg["option.kv_cache_dtype"], load_cache_dir=cfg["option.load_cache_dir"])
+                        kv_cache_dtype=cfg["option.kv_cache_dtype"], load_cache_dir=cfg["option.load_cache_dir"],
+                        enable_lora=cfg["option.enable_lora"], max_loras=cfg["option.max_loras"],
+                        max_lora_rank=cfg["option.max_lora_rank"])
     scheduler = SchedulerConfig(
         engine_kind=kind, batch_size=cfg["batch_size"], max_batch_delay_ms=cfg["max_batch_delay"],
         job_queue_size=cfg["job_queue_size"], max_num_seqs=cfg["option.max_rolling_batch_size"],
@@ -294,6 +297,21 @@ def build(cfg: ResolvedConfig, *, local_dir: str, spec: ModelSpec | None,
                           chat_template=cfg["option.chat_template"], tgi_compat=cfg["option.tgi_compat"])
     return LmiConfig(model=model, scheduler=scheduler,
                      parallel=ParallelConfig(use_mpi=use_mpi, tensor_parallel_degree=tp), server=server)
+
+
+def check_lora(cfg: ResolvedConfig, kind: str, fallback: str | None) -> None:
+    """LoRA adapters run in the paged engine on our model code, decode steps eager (docs/lora.md)."""
+    if not cfg["option.enable_lora"]:
+        return
+    if kind != ENGINE_PAGED:
+        raise ConfigError(f"option.enable_lora=true runs in the paged engine, and this configuration runs the {kind} "
+                          "engine; use option.rolling_batch=lmi-dist (or auto)")
+    if fallback:
+        raise ConfigError(f"option.enable_lora=true applies adapters to our model code, and this model runs on the "
+                          f"transformers fallback ({fallback})")
+    for key in ("option.speculative_method", "option.cpu_compile"):
+        if cfg[key]:
+            raise ConfigError(f"option.enable_lora=true with {key}={cfg[key]}: not supported together yet; unset one")
 
 
 def check_kv_cache_dtype(cfg: ResolvedConfig, kind: str) -> None:

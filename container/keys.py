@@ -176,6 +176,12 @@ KEYS: tuple[Key, ...] = (
         "paged attention kernels: flash_attn (CUDA with flash-attn installed), triton (CUDA), flex (PyTorch "
         "FlexAttention), cpu (our C decode kernel), torch, or auto (flash_attn, else triton on CUDA; on CPU cpu "
         "when its kernel builds, else torch; torch for an fp8 KV cache)"),
+    Key("option.enable_lora", boolean, False,
+        "paged engine: serve the LoRA adapters under MODEL_DIR/adapters/<name> (PEFT format) beside the base model: "
+        "a request names one (LMI \"adapters\", TGI parameters.adapter_id), base and adapter rows share each step "
+        "(docs/lora.md)"),
+    Key("option.max_loras", integer(1), 4, "LoRA adapter slots (every adapter found must fit: all stay resident)"),
+    Key("option.max_lora_rank", integer(1), 16, "the largest LoRA rank an adapter may have (slots are padded to it)"),
     Key("option.kv_cache_dtype", choice("auto", "fp8", "fp8_e4m3", "fp8_e5m2"), "auto",
         "paged engine: how K/V are stored: auto (the model dtype), or fp8 (= fp8_e4m3) / fp8_e5m2, half of bf16's "
         "bytes, rounded on write and widened on read by the torch attention backend (docs/quantization.md)"),
@@ -232,7 +238,7 @@ KEY_ALIASES = {"max_dynamic_batch_size": "batch_size",
 # with a "did you mean" pointing at an unrelated key of ours.
 FOREIGN_KEYS = frozenset({
     "option.max_logprobs", "option.enable_chunked_prefill", "option.cpu_offload_gb_per_gpu", "option.cpu_offload_gb",
-    "option.enable_lora", "option.max_loras", "option.max_lora_rank", "option.lora_extra_vocab_size",
+    "option.lora_extra_vocab_size",
     "option.max_cpu_loras", "option.draft_model_tp_size", "option.record_acceptance_rate", "option.pipeline_parallel_degree",
     "option.decoding_strategy", "option.max_sparsity", "option.max_splits", "option.waiting_steps",
     "option.swap_space", "option.block_size", "option.seed", "option.tokenizer", "option.tokenizer_mode",

@@ -29,6 +29,10 @@ class ModelConfig(msgspec.Struct, frozen=True):
     quantize: str | None = None
     kv_cache_dtype: str = "auto"  # how K/V are stored: auto (the model dtype) | fp8 (= fp8_e4m3) | fp8_e5m2
     load_cache_dir: str | None = None  # a load-optimised copy of each rank's weights (engines/load_cache.py)
+    # LoRA adapters (engines/layers/lora.py): MODEL_DIR/adapters/<name>, all resident, max_loras at most
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
 
 
 class SchedulerConfig(msgspec.Struct, frozen=True):

@@ -32,6 +32,7 @@ class Add(msgspec.Struct, tag="add", frozen=True):
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
+    lora_name: str | None = None  # a LoRA adapter (option.enable_lora), None: the base model
 
 
 class Abort(msgspec.Struct, tag="abort", frozen=True):

@@ -84,7 +84,8 @@ def load_dequantized(model: nn.Module, quant: CheckpointQuant, tensors: dict[str
 
 def packed_parameters(model: nn.Module) -> set[int]:
     """ids of the parameters of packed weights (nothing else fills them)."""
-    return {id(p) for m in model.modules() if isinstance(m, (Int4Weight, Int8Weight, Fp8Weight)) for p in m.parameters()}
+    packed = (Int4Weight, Int8Weight, Fp8Weight)
+    return {id(p) for m in model.modules() if isinstance(m, packed) for p in m.parameters()}
 
 
 def _read_all(readers: dict[str, Reader]) -> dict[str, torch.Tensor]:

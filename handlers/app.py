@@ -63,6 +63,8 @@ class Service:
         self.max_model_len = ModelSpec.of(config.model).max_model_len
         self.is_dynamic = config.scheduler.engine_kind == ENGINE_DYNAMIC
         self.limits = RequestLimits(config.server.max_inputs_per_request, config.server.max_input_chars)
+        # option.enable_lora: the adapters the engine loads (the same listing), for the OpenAI routes' `model`
+        self.adapters = adapter_names(config.model.local_dir) if config.model.enable_lora else []
         self.engine_ready = False
         self._drain_deadline: float | None = None
 
@@ -134,12 +136,12 @@ class Service:
                                   f"{req.sampling.max_new_tokens}: {total} exceeds the model's maximum "
                                   f"length of {self.max_model_len} tokens")
         gens: list[Generation] = []
-        for ids, text in prompts:
+        for i, (ids, text) in enumerate(prompts):
             for k in range(copies):
                 copy = req if k == 0 or req.sampling.seed is None else \
                     replace(req, sampling=msgspec.structs.replace(req.sampling, seed=req.sampling.seed + k))
                 gens.append(Generation(self.client, f"{request_id}-{len(gens)}", ids, text, copy, self.tokenizer,
-                                       self.interrupted))
+                                       self.interrupted, req.adapters[i] if req.adapters else None))
         return gens
 
     def streams_by_default(self, req: GenerationRequest) -> bool:
@@ -268,7 +270,8 @@ def build_app(service: Service) -> Flask:
         if service.config.server.tgi_compat:
             return tgi_compat(body)
         req = _parse(body, None, lambda b, _: parse_request(
-            b, limits=service.limits, default_max_new_tokens=service.config.server.default_max_new_tokens))
+            b, limits=service.limits, default_max_new_tokens=service.config.server.default_max_new_tokens,
+            lora=service.config.model.enable_lora))
         if req.ignored_parameters:
             log.warning("[%s] ignoring unknown parameters: %s", g.log_id, ", ".join(req.ignored_parameters))
         if req.stream and service.is_dynamic:
@@ -330,3 +333,12 @@ def build_app(service: Service) -> Flask:
 
 def _json(body, status: int) -> Response:
     return Response(json.dumps(body, ensure_ascii=False), status=status, mimetype="application/json")
+
+
+def adapter_names(model_dir: str) -> list[str]:
+    """The LoRA adapters under MODEL_DIR/adapters, as engines.layers.lora.LoraAdapters finds them."""
+    root = os.path.join(model_dir, "adapters")
+    if not os.path.isdir(root):
+        return []
+    return sorted(d for d in os.listdir(root) if os.path.isfile(os.path.join(root, d, "adapter_config.json")))
+

@@ -73,7 +73,7 @@ def finite_or_none(value: float) -> float | None:
 class Generation:
     def __init__(self, client: EngineClient, request_id: str, prompt_ids: list[int], input_text: str,
                  req: GenerationRequest, tokenizer: TextTokenizer,
-                 interrupted: Callable[[], HttpError | None] = lambda: None):
+                 interrupted: Callable[[], HttpError | None] = lambda: None, lora_name: str | None = None):
         self.client = client
         self._interrupted = interrupted
         self.request_id = request_id
@@ -92,7 +92,7 @@ class Generation:
         self._closed = False
         self._checked_at = self.started = time.monotonic()
         self.first_token_at: float | None = None
-        self._queue = client.add(Add(request_id, prompt_ids, req.sampling))
+        self._queue = client.add(Add(request_id, prompt_ids, req.sampling, lora_name))
 
     @property
     def generated_text(self) -> str:

@@ -8,6 +8,7 @@ answers both POST routes with a 400. Errors on `/v1/...` are OpenAI-shaped (see 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Callable
 
 from flask import Flask, Response, g, request
@@ -28,8 +29,10 @@ def register(app: Flask, service, read_body: Callable[[], bytes], to_json: Calla
     @app.get("/v1/models")
     def models():
         created = int(service.started_at)
-        return to_json({"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                                    "owned_by": "lmi-serve", "root": model_name}]}, 200)
+        data = [{"id": model_name, "object": "model", "created": created, "owned_by": "lmi-serve", "root": model_name}]
+        data += [{"id": name, "object": "model", "created": created, "owned_by": "lmi-serve", "root": model_name,
+                  "parent": model_name} for name in service.adapters]  # LoRA adapters, as vLLM lists them
+        return to_json({"object": "list", "data": data}, 200)
 
     @app.post("/v1/chat/completions")
     def chat_completions():
@@ -63,19 +66,22 @@ def register(app: Flask, service, read_body: Callable[[], bytes], to_json: Calla
         return [(service.tokenizer.encode(text, add_special_tokens=False), text)]
 
     def _run(kind: str, req: OpenAIRequest, prompts: list[tuple[list[int], str]], sse: bool) -> Response:
-        if req.model is not None and req.model != model_name and request.path.startswith("/v1/"):
-            raise HttpError(404, f"The model `{req.model}` does not exist; this server serves `{model_name}`",
+        adapter = req.model if req.model in service.adapters else None  # `model` naming a LoRA adapter
+        if req.model is not None and req.model != model_name and adapter is None and request.path.startswith("/v1/"):
+            served = ", ".join(f"`{n}`" for n in [model_name] + service.adapters)
+            raise HttpError(404, f"The model `{req.model}` does not exist; this server serves {served}",
                             param="model", openai_code="model_not_found")
         if req.user:
             log.info("[%s] user=%r", g.log_id, req.user)
         service.require_ready()
-        gens = service.launch(req.gen, prompts, g.request_id, copies=req.n)
+        gen = replace(req.gen, adapters=(adapter,) * len(prompts)) if adapter else req.gen
+        gens = service.launch(gen, prompts, g.request_id, copies=req.n)
         sock = request.environ.get("gunicorn.socket")
         is_gone = lambda: client_gone(sock)  # noqa: E731
         deadline = service.deadline()
         decode = service.tokenizer.decode
         if req.gen.stream:
-            lines = stream(kind, req, gens, model_name, decode, deadline, is_gone, sse=sse)
+            lines = stream(kind, req, gens, adapter or model_name, decode, deadline, is_gone, sse=sse)
             return _stream(lines, SSE if sse else JSONLINES)
         try:
             tokens = [collect(gen, deadline, is_gone) for gen in gens]
@@ -87,7 +93,7 @@ def register(app: Flask, service, read_body: Callable[[], bytes], to_json: Calla
                 gen.close()
         log.info("[%s] %s: %d choice(s), %s tokens", g.log_id, kind, len(gens),
                  [gen.num_generated_tokens for gen in gens])
-        return to_json(response(kind, req, gens, tokens, model_name, decode), 200)
+        return to_json(response(kind, req, gens, tokens, adapter or model_name, decode), 200)
 
     def _stream(lines, mimetype: str) -> Response:
         try:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from engines.sampling_params import SamplingParams
 from handlers.errors import HttpError, bad_request
@@ -47,6 +47,7 @@ class GenerationRequest:
     truncate: int | None = None  # keep only the last this many prompt tokens (TGI)
     stop_sequences: tuple[str, ...] = ()
     ignored_parameters: tuple[str, ...] = field(default=())
+    adapters: tuple[str | None, ...] = ()  # each input's LoRA adapter (None: the base model); empty: all base
 
 
 def parse_body(raw: bytes, content_type: str | None) -> dict:
@@ -74,8 +75,10 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not a JSON number")
 
 
-def parse_request(body: dict, *, default_max_new_tokens: int, limits: RequestLimits = RequestLimits()) \
-        -> GenerationRequest:
+def parse_request(body: dict, *, default_max_new_tokens: int, limits: RequestLimits = RequestLimits(),
+                  lora: bool = False) -> GenerationRequest:
+    """lora: the engine serves LoRA adapters (option.enable_lora): their names pass to it, which answers an
+    unknown one with a 404 naming those it serves; otherwise any adapter asked for is a 404 here."""
     if "messages" in body:
         raise bad_request("chat requests (\"messages\") are not supported by this engine; send \"inputs\"")
     if "inputs" not in body:
@@ -86,12 +89,42 @@ def parse_request(body: dict, *, default_max_new_tokens: int, limits: RequestLim
         params = {}
     if not isinstance(params, dict):
         raise bad_request(f"\"parameters\" must be a JSON object, not {_type_name(params)}")
-    _refuse_adapters(body.get("adapters"), "adapters")  # DJL LMI's field, beside "inputs"
-    _refuse_adapters(params.get("adapter_id"), "parameters.adapter_id")  # TGI's
+    if lora:
+        adapters = _adapter_names(body.get("adapters"), params.get("adapter_id"), len(inputs))
+    else:
+        _refuse_adapters(body.get("adapters"), "adapters")  # DJL LMI's field, beside "inputs"
+        _refuse_adapters(params.get("adapter_id"), "parameters.adapter_id")  # TGI's
+        adapters = ()
     stream = _bool(body, "stream", False, where="")
     if params.get("stream") is not None:
         stream = _bool(params, "stream", False)
-    return _build(inputs, is_list, params, stream, default_max_new_tokens)
+    req = _build(inputs, is_list, params, stream, default_max_new_tokens)
+    return replace(req, adapters=adapters) if adapters else req
+
+
+def _adapter_names(adapters, adapter_id, num_inputs: int) -> tuple[str | None, ...]:
+    """Each input's adapter: LMI's "adapters" (one name for every input, or a list matching "inputs") or
+    TGI's adapter_id (one name); "" and null mean the base model. → () when every input is the base's."""
+    if adapters not in (None, "", []) and adapter_id not in (None, ""):
+        raise bad_request("give the adapter as \"adapters\" or as \"parameters.adapter_id\", not both", "adapters")
+    where, value = ("parameters.adapter_id", adapter_id) if adapter_id not in (None, "") else ("adapters", adapters)
+    if value in (None, "", []):
+        return ()
+    if isinstance(value, str):
+        names = [value] * num_inputs
+    elif isinstance(value, list) and where == "adapters":
+        if len(value) != num_inputs:
+            raise bad_request(f"\"adapters\" holds {len(value)} names for {num_inputs} inputs: give one name, or "
+                              "one per input", "adapters")
+        names = value
+    else:
+        raise bad_request(f"\"{where}\" must be an adapter's name{' or a list of them' if where == 'adapters' else ''},"
+                          f" not {_type_name(value)}", where)
+    for i, name in enumerate(names):
+        if name is not None and not isinstance(name, str):
+            raise bad_request(f"\"{where}\"[{i}] must be an adapter's name or null, not {_type_name(name)}", where)
+    names = [name or None for name in names]
+    return tuple(names) if any(names) else ()
 
 
 def _refuse_adapters(value, where: str) -> None:

@@ -110,7 +110,8 @@ def register(app: Flask, service, read_body: Callable[[], bytes], to_json):
         if body is None:
             body = parse_body(read_body(), "application/json")
         req = parse_request(body, limits=service.limits,
-                            default_max_new_tokens=service.config.server.default_max_new_tokens)
+                            default_max_new_tokens=service.config.server.default_max_new_tokens,
+                            lora=service.config.model.enable_lora)
         if req.is_list:
             raise bad_request("\"inputs\" must be one string on the TGI routes", "inputs")
         if req.ignored_parameters:

@@ -67,7 +67,8 @@ def portable_build(tmp_path_factory):
 
 
 @pytest.mark.parametrize("dim", [64, 128, 80])
-@pytest.mark.parametrize("opts", [LayerOptions(0.125), LayerOptions(0.3, window=20, softcap=5.0)], ids=["plain", "window"])
+@pytest.mark.parametrize("opts", [LayerOptions(0.125), LayerOptions(0.3, window=20, softcap=5.0)],
+                         ids=["plain", "window"])
 def test_the_portable_bf16_path_matches_its_torch_twin(portable_build, dim, opts):
     q, k_cache, v_cache, table, lens = _case(torch.bfloat16, dim, 2, 3)
     got = cpu_attention.paged_decode(q, k_cache, v_cache, table, lens, opts, lib=portable_build)

@@ -129,3 +129,109 @@ def test_adapters_it_cannot_serve_exactly_are_refused(adapters, tmp_path, tiny_m
     banks = LoraBanks(model, max_loras=1, max_rank=4, dtype=torch.float32, device=torch.device("cpu"))
     with pytest.raises(ValueError, match="rank 8, above option.max_lora_rank=4"):
         banks.load(1, read_peft_adapter(str(adapters["mlp-r8-rs"][0])))
+
+
+@pytest.fixture(scope="module")
+def lora_model(tiny_model, adapters, tmp_path_factory):
+    """The tiny model's directory with both adapters under adapters/<name> (as DJL LMI lays them out)."""
+    import shutil
+
+    d = tmp_path_factory.mktemp("lora-model") / "tiny-llama"
+    shutil.copytree(tiny_model, d)
+    for name, (path, _) in adapters.items():
+        shutil.copytree(path, d / "adapters" / name)
+    return d
+
+
+def _peft_greedy(peft_model, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = peft_model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
+                                  dtype=torch.long), max_new_tokens=n, do_sample=False, pad_token_id=0)
+    ids = out[0, len(prompt):].tolist()
+    return ids[: ids.index(2) + 1] if 2 in ids else ids  # the tiny model's EOS
+
+
+PROMPTS = [[1] + [(5 * i + 7) % 900 + 3 for i in range(n)] for n in (6, 19, 33)]
+
+
+@pytest.mark.parametrize("sched", [{}, {"max_num_batched_tokens": 16}], ids=["whole-prompts", "chunked"])
+def test_a_batch_mixing_the_base_model_and_two_adapters_gives_peft_greedy_tokens(lora_model, adapters, hf, sched):
+    """Every prompt once per model (base, each adapter), joining mid-flight in one paged engine; the same
+    prompt under the base model and an adapter must not share prefix-cache blocks."""
+    from engines.sampling_params import SamplingParams
+    from tests.support import drive_engine, output_tokens
+
+    engine = local_engine(lora_model, "paged", lora={"enable_lora": True, "max_loras": 2, "max_lora_rank": 8},
+                          max_num_seqs=8, **sched)
+    assert engine.runner.lora.slots == {"attn-r4": 1, "mlp-r8-rs": 2}
+    names = [None] + list(ADAPTERS)
+    requests = [(f"{name}-{i}", p, SamplingParams(max_new_tokens=8), name)
+                for i, p in enumerate(PROMPTS) for name in names]
+    outs = drive_engine(engine, requests, join_every=2)
+    for rid, prompt, _, name in requests:
+        want = hf(prompt, 8) if name is None else _peft_greedy(adapters[name][1], prompt, 8)
+        assert output_tokens(outs[rid]) == want, rid
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+def test_an_unknown_adapter_is_a_404_naming_the_served_ones(lora_model):
+    from engines.protocol import Add
+    from engines.sampling_params import SamplingParams
+
+    engine = local_engine(lora_model, "paged", lora={"enable_lora": True, "max_loras": 2, "max_lora_rank": 8})
+    outs = []
+    engine._publish = outs.extend
+    engine.add(Add("r", [1, 5, 6], SamplingParams(max_new_tokens=2), "nope"))
+    assert outs[0].error_code == 404 and outs[0].error == ("no LoRA adapter named 'nope'; this server serves: attn-r4, "
+                                                           "mlp-r8-rs")
+    with pytest.raises(ValueError, match="2 LoRA adapters under .* and option.max_loras=1: every adapter stays "
+                                         "resident; raise option.max_loras"):
+        local_engine(lora_model, "paged", lora={"enable_lora": True, "max_loras": 1, "max_lora_rank": 8})
+
+
+def test_the_server_serves_adapters_by_lmi_and_tgi_names(start_server, lora_model, adapters, hf):
+    """A real server with option.enable_lora: DJL LMI's top-level "adapters" (one per list input, null
+    for the base model) and TGI's adapter_id; an unknown name is a 404 naming the served ones."""
+    server = start_server("option.rolling_batch=lmi-dist\noption.dtype=fp32\noption.enable_lora=true\noption.max_loras=2\n"
+                          "option.max_lora_rank=8\n", lora_model)
+    assert "LoRA adapters (rank, slot): attn-r4 (r=4, slot 1), mlp-r8-rs (r=8, slot 2)" in server.log()
+    texts = ["The river ran", "A small bird", "The river ran"]
+    body = server.post({"inputs": texts, "adapters": ["attn-r4", None, "mlp-r8-rs"],
+                        "parameters": {"max_new_tokens": 6, "details": True}}).json()
+    for text, name, answer in zip(texts, ["attn-r4", None, "mlp-r8-rs"], body):
+        ids = hf.tokenizer(text)["input_ids"]
+        want = hf(ids, 6) if name is None else _peft_greedy(adapters[name][1], ids, 6)
+        assert [t["id"] for t in answer["details"]["tokens"]] == want, name
+    tgi = server.post({"inputs": texts[1], "parameters": {"adapter_id": "mlp-r8-rs", "max_new_tokens": 6,
+                                                          "details": True}}, path="/generate").json()
+    assert [t["id"] for t in tgi["details"]["tokens"]] == _peft_greedy(adapters["mlp-r8-rs"][1],
+                                                                       hf.tokenizer(texts[1])["input_ids"], 6)
+    resp = server.post({"inputs": "Hello", "adapters": "nope"})
+    assert resp.status_code == 404, resp.text
+    assert resp.json()["error"] == "no LoRA adapter named 'nope'; this server serves: attn-r4, mlp-r8-rs"
+    resp = server.post({"inputs": ["a", "b"], "adapters": ["attn-r4"]})
+    assert resp.status_code == 400 and '"adapters" holds 1 names for 2 inputs' in resp.json()["error"]
+    # OpenAI: `model` naming an adapter (vLLM's convention), and /v1/models listing them
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    assert [m.id for m in client.models.list().data] == ["tiny-llama", "attn-r4", "mlp-r8-rs"]
+    done = client.completions.create(model="attn-r4", prompt=texts[0], max_tokens=6, temperature=0)
+    want = _peft_greedy(adapters["attn-r4"][1], hf.tokenizer(texts[0])["input_ids"], 6)
+    assert done.model == "attn-r4" and done.choices[0].text == hf.decode(want)
+    with pytest.raises(openai.NotFoundError, match="this server serves `tiny-llama`, `attn-r4`, `mlp-r8-rs`"):
+        client.completions.create(model="nope", prompt="Hi", max_tokens=2)
+
+
+def test_tensor_parallel_2_gives_peft_greedy_tokens(lora_model, adapters, hf, tmp_path):
+    """Under mpirun -np 2: each rank's banks hold its shards (q heads, the KV heads it keeps, its gate/up
+    rows, its o/down input columns), base and adapter rows in one batch."""
+    from tests.support import run_tp2_job
+
+    names = [None, "attn-r4", "mlp-r8-rs", "attn-r4"]
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[1], PROMPTS[2]]
+    got = run_tp2_job(tmp_path, {"prompts": prompts, "new_tokens": 8, "adapters": names,
+                                 "lora": {"enable_lora": True, "max_loras": 2, "max_lora_rank": 8}}, [str(lora_model)])
+    for i, (prompt, name) in enumerate(zip(prompts, names)):
+        want = hf(prompt, 8) if name is None else _peft_greedy(adapters[name][1], prompt, 8)
+        assert got[str(lora_model)][i] == want, (i, name)

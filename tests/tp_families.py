@@ -1,7 +1,8 @@
 """Run under `mpirun -np 2`: the paged engine at TP=2 on each model directory given, in turn, and
 rank 0 writes each one's greedy tokens to a JSON file (tests/test_families.py compares them with
 transformers' `generate`). One mpirun for every family: each model's ranks load, serve the
-prompts and stop, then the next model loads. The job's optional "quantize" is option.quantize.
+prompts and stop, then the next model loads. The job's optional "quantize" is option.quantize; its
+optional "lora" holds ModelConfig's LoRA fields, and "adapters" each prompt's adapter (null: the base).
 
     python -m tests.tp_families OUT.json PROMPTS.json DIR [DIR ...]
 """
@@ -26,7 +27,8 @@ def main(out_path: str, prompts_path: str, model_dirs: list[str]) -> None:
         job = json.load(f)
     results = {}
     for model_dir in model_dirs:
-        config = LmiConfig(model=ModelConfig(local_dir=model_dir, dtype="fp32", quantize=job.get("quantize")),
+        config = LmiConfig(model=ModelConfig(local_dir=model_dir, dtype="fp32", quantize=job.get("quantize"),
+                                             **job.get("lora", {})),
                            scheduler=SchedulerConfig(engine_kind=ENGINE_PAGED, kv_cache_memory="4MiB", max_num_seqs=4))
         if comm.rank:
             run_shard(config, comm)  # returns when rank 0 stops the ranks
@@ -34,7 +36,9 @@ def main(out_path: str, prompts_path: str, model_dirs: list[str]) -> None:
         engine = PagedEngine(config, lambda outs: None, comm)
         engine.load()
         params = SamplingParams(max_new_tokens=job["new_tokens"])
-        outputs = drive_engine(engine, [(f"r{i}", p, params) for i, p in enumerate(job["prompts"])])
+        adapters = job.get("adapters") or [None] * len(job["prompts"])
+        outputs = drive_engine(engine, [(f"r{i}", p, params, a)
+                                        for i, (p, a) in enumerate(zip(job["prompts"], adapters))])
         engine.stop_ranks()
         results[model_dir] = [output_tokens(outputs[f"r{i}"]) for i in range(len(job["prompts"]))]
     if comm.rank == 0:

@@ -68,6 +68,7 @@ class SeqChunk:
     token_ids: list[int]  # host ids of its tokens: num_tokens of them, or one fewer when fed_row >= 0
     fed_row: int = -1  # >= 0: its last token is row fed_row of the previous step's sampled tokens
     speculative: bool = False  # proposed tokens to verify: a backend may attend them as decode rows
+    lora_slot: int = 0  # its LoRA adapter's slot (0: the base model)
 
     @property
     def context_len(self) -> int:

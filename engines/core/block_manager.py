@@ -39,6 +39,12 @@ class PrefixHit(NamedTuple):
 _ROOT = None  # parent hash of block 0: not an int, so it never equals a block's hash
 
 
+def _root(req: Request):
+    """The parent of a request's block 0: its LoRA adapter's K/V differ from the base model's for the
+    same tokens, so each adapter's prefixes form their own chains (a tuple never equals a hash)."""
+    return _ROOT if req.lora_name is None else ("lora", req.lora_name)
+
+
 def hash_block(parent: int | None, tokens: bytes) -> int:
     """Chained hash of one full block (module level, so that tests can force collisions)."""
     return hash((parent, tokens))
@@ -119,7 +125,7 @@ class BlockManager:
             return PrefixHit([], None)  # every prompt token's logits are needed: compute them all (once)
         tokens, size = req.all_token_ids, self.block_size
         found: list[int] = []
-        parent = _ROOT
+        parent = _root(req)
         for i in range((len(tokens) - 1) // size):
             chunk = pack_tokens(tokens[i * size:(i + 1) * size])
             h = hash_block(parent, chunk)
@@ -180,7 +186,7 @@ class BlockManager:
         if len(chain) >= num_full:
             return
         tokens, size = req.all_token_ids, self.block_size
-        parent = chain[-1] if chain else _ROOT
+        parent = chain[-1] if chain else _root(req)
         for i in range(len(chain), num_full):
             chunk = pack_tokens(tokens[i * size:(i + 1) * size])
             h = hash_block(parent, chunk)

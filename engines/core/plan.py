@@ -28,6 +28,7 @@ class NewRequest(msgspec.Struct):
     block_ids: list[int]  # its whole block table
     num_computed_tokens: int  # already in the cache (prefix hit): compute from this position on
     sampling: SamplingParams
+    lora_name: str | None = None  # its LoRA adapter
 
 
 class CachedRequest(msgspec.Struct):

@@ -35,8 +35,9 @@ class PrefixProbe(NamedTuple):
 
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                 eos_token_ids: frozenset[int], arrival: int):
+                 eos_token_ids: frozenset[int], arrival: int, lora_name: str | None = None):
         self.request_id = request_id
+        self.lora_name = lora_name  # its LoRA adapter (None: the base model): part of its prefix-cache key
         self.prompt_token_ids = prompt_token_ids
         self.sampling = sampling
         self.output_token_ids: list[int] = []

@@ -280,7 +280,8 @@ class Scheduler:
         computed = req.num_computed_tokens + pending
         if num_sent is None:
             out.new_requests.append(NewRequest(req.request_id, req.all_token_ids, req.num_prompt_tokens,
-                                               list(req.block_ids), req.num_computed_tokens, req.sampling))
+                                               list(req.block_ids), req.num_computed_tokens, req.sampling,
+                                               req.lora_name))
         else:
             out.cached_requests.append(CachedRequest(req.request_id, req.block_ids[num_sent:], computed, num_sent))
         reaches_end = computed + num_tokens >= req.num_tokens + emitting

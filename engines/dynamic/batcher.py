@@ -124,6 +124,10 @@ class DynamicEngine:
     def submit(self, msg: Add | Abort) -> None:
         if isinstance(msg, Abort):
             self.batcher.abort(msg.request_id)
+        elif msg.lora_name is not None:  # never the base model's answer under an adapter's name
+            self._publish([Output(msg.request_id, [], finished=True, finish_reason="error", error_code=404,
+                                  error=f"no LoRA adapter named {msg.lora_name!r}: LoRA adapters run in the paged "
+                                        "engine (option.enable_lora)")])
         elif not self.batcher.add(msg):
             self._publish([Output(msg.request_id, [], finished=True, finish_reason="error", error_code=503,
                                   error=f"the request queue is full (job_queue_size={self.batcher.job_queue_size})")])

@@ -49,7 +49,8 @@ def _cpu_flags() -> str:
 
 
 def _cache_dirs() -> list[Path]:
-    return [Path.home() / ".cache" / "lmi-serve" / "kernels", Path(tempfile.gettempdir()) / f"lmi-serve-kernels-{os.getuid()}"]
+    return [Path.home() / ".cache" / "lmi-serve" / "kernels",
+            Path(tempfile.gettempdir()) / f"lmi-serve-kernels-{os.getuid()}"]
 
 
 def build(compiler: str, target: Path, extra_flags: tuple[str, ...] = ()) -> None:
@@ -124,7 +125,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     with torch.profiler.record_function("lmi::cpu_paged_decode"):  # a foreign call: named for torch.profiler
         failed = fn(q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
                     block_table.data_ptr(), block_table.stride(0), context_lens.data_ptr(), out.data_ptr(), b, hq, hkv,
-                    d, num_blocks, block_size, opts.scale, opts.window or 0, opts.softcap or 0.0, torch.get_num_threads())
+                    d, num_blocks, block_size, opts.scale, opts.window or 0, opts.softcap or 0.0,
+                    torch.get_num_threads())
     if failed:
         raise MemoryError("the CPU paged decode kernel could not allocate its scratch memory")
     return out

@@ -105,7 +105,10 @@ class ColumnParallelLinear(nn.Module):
             offset += size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias)
+        lora = self.__dict__.get("lora")  # option.enable_lora: engines/layers/lora.py's hook
+        delta = lora.delta(x) if lora is not None else None
+        return y if delta is None else y + delta
 
 
 class RowParallelLinear(nn.Module):
@@ -126,5 +129,8 @@ class RowParallelLinear(nn.Module):
         self.weight.data.copy_(get((slice(None), slice(lo, hi))))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.comm.all_reduce(linear(x, self.weight))
+        partial = linear(x, self.weight)
+        lora = self.__dict__.get("lora")  # this rank's partial LoRA delta joins the all-reduce
+        delta = lora.delta(x) if lora is not None else None
+        y = self.comm.all_reduce(partial if delta is None else partial + delta)
         return y + self.bias if self.bias is not None else y

@@ -41,7 +41,8 @@ TARGETS = {"q_proj": ("self_attn", "qkv_proj", 0), "k_proj": ("self_attn", "qkv_
            "v_proj": ("self_attn", "qkv_proj", 2), "o_proj": ("self_attn", "o_proj", None),
            "gate_proj": ("mlp", "gate_up_proj", 0), "up_proj": ("mlp", "gate_up_proj", 1),
            "down_proj": ("mlp", "down_proj", None)}
-_KEY = re.compile(r"^base_model\.model\.(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
+_KEY = re.compile(r"^base_model\.model\.(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)"
+                  r"\.lora_([AB])(?:\.default)?\.weight$")
 
 
 @dataclass
@@ -183,3 +184,62 @@ def _shard(size: int, comm) -> tuple[int, int] | None:
         return None
     part = size // comm.world_size
     return comm.rank * part, (comm.rank + 1) * part
+
+
+class LoraStep:
+    """The adapter groups of the forward running now (set by the model runner around each forward):
+    (slot, rows) per adapter present; empty: no adapter rows, nothing to add."""
+
+    def __init__(self):
+        self.groups: list[tuple[int, torch.Tensor | slice]] = []
+
+
+class LoraHook:
+    """What an adapted linear calls (kept in its __dict__, outside the module tree, so that the model's
+    parameters, state dict and load order stay as they are)."""
+
+    def __init__(self, bank: LoraBank, step: LoraStep):
+        self.bank, self.step = bank, step
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor | None:
+        if not self.step.groups:
+            return None
+        flat = x.reshape(-1, x.shape[-1])
+        return self.bank.delta(flat, self.step.groups).view(*x.shape[:-1], -1)
+
+
+def lora_hook(linear: nn.Module) -> LoraHook | None:
+    return linear.__dict__.get("lora")
+
+
+class LoraAdapters:
+    """Every adapter under `adapters_dir` (one PEFT directory each, named by it), resident in slots
+    1..n of the banks, the banks hooked into the model's linears. → slots: name → slot."""
+
+    def __init__(self, model: nn.Module, adapters_dir: str, max_loras: int, max_rank: int, dtype: torch.dtype,
+                 device: torch.device):
+        names = sorted(d for d in os.listdir(adapters_dir)
+                       if os.path.isfile(os.path.join(adapters_dir, d, "adapter_config.json"))) \
+            if os.path.isdir(adapters_dir) else []
+        if not names:
+            raise ValueError(f"option.enable_lora=true and no LoRA adapter under {adapters_dir} (one directory per "
+                             "adapter, holding adapter_config.json and adapter_model.safetensors)")
+        if len(names) > max_loras:
+            raise ValueError(f"{len(names)} LoRA adapters under {adapters_dir} and option.max_loras={max_loras}: every "
+                             "adapter stays resident; raise option.max_loras")
+        self.banks = LoraBanks(model, max_loras, max_rank, dtype, device)
+        self.slots: dict[str, int] = {}
+        self.ranks: dict[str, int] = {}
+        for slot, name in enumerate(names, start=1):
+            adapter = read_peft_adapter(os.path.join(adapters_dir, name), name)
+            self.banks.load(slot, adapter)
+            self.slots[name], self.ranks[name] = slot, adapter.rank
+        self.step = LoraStep()
+        for (layer, module), bank in self.banks.banks.items():
+            owner = model.layers[layer].self_attn if module in ("qkv_proj", "o_proj") else model.layers[layer].mlp
+            getattr(owner, module).__dict__["lora"] = LoraHook(bank, self.step)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(b.A.numel() * b.A.element_size() + b.B.numel() * b.B.element_size()
+                   for b in self.banks.banks.values())

@@ -179,7 +179,8 @@ def fp8_kernel_problem(device: torch.device, dtype: torch.dtype) -> str | None:
     if device.type != "cuda":
         return f"no fp8 GEMM on {device.type}"
     if torch.cuda.get_device_capability(device) < (8, 9):
-        return f"fp8 tensor cores need compute capability 8.9+, and this GPU has {torch.cuda.get_device_capability(device)}"
+        return (f"fp8 tensor cores need compute capability 8.9+, and this GPU has "
+                f"{torch.cuda.get_device_capability(device)}")
     if dtype != torch.bfloat16:
         return f"the fp8 GEMM with row-wise scales writes bf16, and the model runs in {dtype}"
     return None
@@ -243,9 +244,10 @@ def check_quantizable(method: str, dtype: torch.dtype, device: torch.device) -> 
         raise ValueError(f"option.quantize=int8_dynamic needs PyTorch's x86 quantized engine, and this CPU has "
                          f"{torch.backends.quantized.engine}; use option.quantize=int8")
     if method == "fp8" and fp8_kernel_problem(device, dtype):
+        instead = "int8_dynamic (the fastest here) or int8" if device.type == "cpu" else "int8 or int4"
         raise ValueError(f"option.quantize=fp8 runs on CUDA GPUs with fp8 tensor cores (compute capability 8.9+: "
                          f"L4, L40S, H100, H200) in bf16 ({fp8_kernel_problem(device, dtype)}); use "
-                         f"{'option.quantize=int8_dynamic (the fastest here) or int8' if device.type == 'cpu' else 'option.quantize=int8 or int4'}")
+                         f"option.quantize={instead}")
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"option.quantize={method} runs on CPU and CUDA, not {device.type}")
 

@@ -9,6 +9,7 @@ paged engine can then run it), with its own past key values otherwise (the padde
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Sequence
 
@@ -41,6 +42,7 @@ class ModelRunner:
         self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.model = None
         self.is_native = False  # our model code
+        self.lora = None  # option.enable_lora: engines.layers.lora.LoraAdapters
         self.owns_kv = False  # the model attends through our KV backends (ours, or HF's via hf_paged)
         self.layer_options: list[LayerOptions] | None = None  # how each layer attends (native models)
 
@@ -65,11 +67,16 @@ class ModelRunner:
             self.is_native = self.owns_kv = True
             if cfg.quantize in QUANTIZE_AT_LOAD and quant is None:  # else the checkpoint's method, loaded as it is
                 self._quantize(cfg.quantize)
+            if cfg.enable_lora:
+                self._load_adapters()
             if self.device.type == "cpu" and self.dtype == torch.bfloat16:
                 self._choose_cpu_matmul(spec)
             FusedOps.use_triton(self.device.type == "cuda" and triton_runs(self.device))
             log.info("fused ops (residual add + RMSNorm, rotary, SiLU x mul): %s",
                      "Triton kernels" if FusedOps.is_triton() else "PyTorch")
+        elif cfg.enable_lora:
+            raise ValueError(f"option.enable_lora=true applies adapters to our model code, and {spec.architecture} "
+                             "runs on the transformers fallback")
         elif cfg.quantize:
             raise ValueError(f"option.quantize={cfg.quantize} quantises our model code's linear layers, and "
                              f"{spec.architecture} runs on the transformers fallback; unset option.quantize")
@@ -94,6 +101,17 @@ class ModelRunner:
         log.info("bf16 matrix products on this CPU: %s (a [32, %d] x [%d, %d] product: %.2f ms native bf16, %.2f ms "
                  "upcast to float32)", "upcast to float32" if upcast else "native bf16", spec.hidden_size,
                  spec.hidden_size, spec.intermediate_size, native, up)
+
+    def _load_adapters(self) -> None:
+        """option.enable_lora: every adapter under MODEL_DIR/adapters into this rank's slot banks."""
+        from engines.layers.lora import LoraAdapters
+
+        cfg = self.config
+        self.lora = LoraAdapters(self.model, os.path.join(cfg.local_dir, "adapters"), cfg.max_loras, cfg.max_lora_rank,
+                                 self.dtype, self.device)
+        log.info("LoRA adapters (rank, slot): %s; %d slots of rank %d hold %.1f MiB on rank %d",
+                 ", ".join(f"{n} (r={self.lora.ranks[n]}, slot {s})" for n, s in self.lora.slots.items()),
+                 cfg.max_loras, cfg.max_lora_rank, self.lora.num_bytes / 2**20, self.comm.rank)
 
     def _quantize(self, method: str) -> None:
         """option.quantize: this rank's linear shards → packed low-bit weights (engines/layers/quant.py)."""

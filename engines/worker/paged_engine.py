@@ -107,6 +107,8 @@ class PagedEngine(EngineLoop):
             return DECODE_EAGER, "option.enforce_eager=true"
         if not self.runner.is_native:
             return DECODE_EAGER, "the transformers fallback runs eagerly"
+        if self.runner.lora is not None:
+            return DECODE_EAGER, "LoRA adapters: each step's adapter rows are grouped on the host"
         if self.runner.device.type == "cuda":
             if self.comm.world_size > 1:  # the collectives inside the step are not captured
                 return DECODE_EAGER, "CUDA graphs are captured at tensor_parallel_degree=1 only"
@@ -164,7 +166,15 @@ class PagedEngine(EngineLoop):
         return self.scheduler.has_unfinished
 
     def add(self, msg: Add) -> None:
-        req = Request(msg.request_id, msg.prompt_token_ids, msg.sampling, self.runner.eos_token_ids, self._arrivals)
+        if msg.lora_name is not None:
+            served = self.runner.lora.slots if self.runner.lora is not None else {}
+            if msg.lora_name not in served:
+                names = ", ".join(served) or "none (option.enable_lora is off)"
+                self.publish_error(msg.request_id, 404, f"no LoRA adapter named {msg.lora_name!r}; this server serves: "
+                                                        f"{names}")
+                return
+        req = Request(msg.request_id, msg.prompt_token_ids, msg.sampling, self.runner.eos_token_ids, self._arrivals,
+                      msg.lora_name)
         self._arrivals += 1
         try:
             self.scheduler.add(req)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engines.attention.base import AttentionBackend, ForwardBatch, SeqChunk, select_backend
+from engines.attention.base import AttentionBackend, ForwardBatch, SeqChunk, select_backend, to_device
 from engines.core.plan import StepPlan
 from engines.models.registry import fallback_reason
 from engines.worker.model_runner import ModelRunner
@@ -50,6 +50,7 @@ class _SeqState:
     num_computed_tokens: int
     num_prompt_tokens: int
     prompt_top_n: int | None = None  # the prompt's log-probs are asked for, with this many alternatives
+    lora_slot: int = 0  # its LoRA adapter's slot (0: the base model)
 
 
 @dataclass
@@ -144,7 +145,8 @@ class PagedRunner:
             sp = new.sampling
             self.states[new.request_id] = _SeqState(list(new.token_ids), list(new.block_ids), new.num_computed_tokens,
                                                     new.num_prompt_tokens,
-                                                    sp.top_n_tokens if sp.prompt_logprobs else None)
+                                                    sp.top_n_tokens if sp.prompt_logprobs else None,
+                                                    self._lora_slot(new.lora_name))
             if self.samples:
                 self.sampler.add(new.request_id, new.sampling, new.token_ids[:new.num_prompt_tokens],
                                  new.token_ids[new.num_prompt_tokens:])
@@ -214,7 +216,8 @@ class PagedRunner:
             if end > known + (fed >= 0):
                 raise AssertionError(f"{rid}: tokens {start}..{end} scheduled, {known} on the host, "
                                      f"{'one' if fed >= 0 else 'none'} on the device")
-            chunks.append(SeqChunk(start, n, st.block_ids, st.token_ids[start:end] + draft, fed, bool(draft)))
+            chunks.append(SeqChunk(start, n, st.block_ids, st.token_ids[start:end] + draft, fed, bool(draft),
+                                   st.lora_slot))
             if st.prompt_top_n is not None and min(start + n, st.num_prompt_tokens - 1) > start:
                 count = min(start + n, st.num_prompt_tokens - 1) - start  # position p predicts prompt token p + 1
                 prompt_rows += range(num_tokens, num_tokens + count)
@@ -247,7 +250,23 @@ class PagedRunner:
 
     def _run_model(self, view, meta, model=None) -> torch.Tensor | None:
         model = model or self.runner.model
-        return model(view.input_ids.view(1, -1), view.positions.view(1, -1), self.backend, meta, view.logits_indices)
+        lora = self.runner.lora
+        if lora is not None:  # each adapter's rows of this step (padding rows: none)
+            lora.step.groups = lora_groups(view.chunks, self.runner.device)
+        try:
+            return model(view.input_ids.view(1, -1), view.positions.view(1, -1), self.backend, meta,
+                         view.logits_indices)
+        finally:
+            if lora is not None:
+                lora.step.groups = []
+
+    def _lora_slot(self, name: str | None) -> int:
+        if name is None:
+            return 0
+        slot = self.runner.lora.slots.get(name) if self.runner.lora is not None else None
+        if slot is None:  # the engine refuses unknown names before they are scheduled
+            raise AssertionError(f"LoRA adapter {name!r} has no slot on rank {self.comm.rank}")
+        return slot
 
     def _sample(self, prep: _Prepared, logits: torch.Tensor | None) -> PendingStep:
         """Sample on the device (rank 0), share the ids with the other ranks on the device, keep them
@@ -332,7 +351,7 @@ class PagedRunner:
             # step 0 reads each request's last token from the host, the later ones the tokens just sampled
             chunks = [SeqChunk(st.num_computed_tokens, 1, st.block_ids,
                                [] if j else st.token_ids[st.num_computed_tokens:st.num_computed_tokens + 1],
-                               i if j else -1) for i, st in enumerate(states)]
+                               i if j else -1, lora_slot=st.lora_slot) for i, st in enumerate(states)]
             logits = self.forward(ForwardBatch(chunks, list(range(len(rids)))))
             for st in states:
                 st.num_computed_tokens += 1
@@ -368,3 +387,20 @@ class PagedRunner:
             buf = torch.empty(n + 1, dtype=torch.long, device=device)
         buf = comm.broadcast(buf)
         return buf[:-1], bool(buf[-1])
+
+
+def lora_groups(chunks, device: torch.device) -> list[tuple[int, torch.Tensor | slice]]:
+    """A step's token rows by LoRA slot: (slot, rows) per adapter present, rows a slice when they are
+    contiguous (one chunk, or neighbours), else an index tensor; slot 0 (the base model) left out."""
+    rows: dict[int, list[int]] = {}
+    start = 0
+    for c in chunks:
+        if c.lora_slot:
+            rows.setdefault(c.lora_slot, []).extend(range(start, start + c.num_tokens))
+        start += c.num_tokens
+    groups: list[tuple[int, torch.Tensor | slice]] = []
+    for slot, r in rows.items():
+        contiguous = r[-1] - r[0] + 1 == len(r)
+        groups.append((slot, slice(r[0], r[-1] + 1) if contiguous else to_device(r, device, torch.long)))
+    return groups
+

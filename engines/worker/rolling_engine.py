@@ -96,6 +96,10 @@ class RollingEngine(EngineLoop):
         return bool(self.waiting or self.running)
 
     def add(self, msg: Add) -> None:
+        if msg.lora_name is not None:  # never the base model's answer under an adapter's name
+            self.publish_error(msg.request_id, 404, f"no LoRA adapter named {msg.lora_name!r}: LoRA adapters run in "
+                                                    "the paged engine (option.enable_lora)")
+            return
         req = Request(msg.request_id, msg.prompt_token_ids, msg.sampling, self.runner.eos_token_ids, self._arrivals)
         self._arrivals += 1
         if not fits_alone(req, self.limits):
