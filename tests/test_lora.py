@@ -13,7 +13,7 @@ import types
 import pytest
 import torch
 
-from engines.layers.lora import LoraBank, LoraBanks, read_peft_adapter
+from engines.layers.lora import LoraBank, LoraBanks, LoraStep, read_peft_adapter
 from tests.support import local_engine
 
 peft = pytest.importorskip("peft")
@@ -59,16 +59,17 @@ def test_a_mixed_batch_gets_each_rows_adapter_delta_as_peft_computes_it(tiny_mod
     torch.manual_seed(0)
     hidden = model.layers[0].self_attn.qkv_proj.weight.shape[1]
     inter = model.layers[0].mlp.down_proj.weight.shape[1]
-    # rows 0-1 base, rows 2 and 4 "attn-r4" (an index list), rows 3 and 5 "mlp-r8-rs"
-    groups = [(0, slice(0, 2)), (1, torch.tensor([2, 4])), (2, torch.tensor([3, 5]))]
+    # rows 0-1 base, rows 2 and 4 "attn-r4", rows 3 and 5 "mlp-r8-rs"
     slot_of_row = [0, 0, 1, 2, 1, 2]
+    step = LoraStep()
+    step.set(slot_of_row, len(slot_of_row), torch.device("cpu"))
     names = [None] + list(ADAPTERS)
     for layer in range(len(model.layers)):
         for ours, parts, width in (("qkv_proj", ["q_proj", "k_proj", "v_proj"], hidden), ("o_proj", ["o_proj"], hidden),
                                    ("gate_up_proj", ["gate_proj", "up_proj"], hidden),
                                    ("down_proj", ["down_proj"], inter)):
             x = torch.randn(6, width)
-            got = banks.banks[(layer, ours)].delta(x, groups)
+            got = banks.banks[(layer, ours)].delta(x, step)
             for row, slot in enumerate(slot_of_row):
                 if slot == 0:
                     want = torch.zeros(got.shape[1])
@@ -93,9 +94,11 @@ def test_tensor_parallel_shards_add_up_to_the_whole():
         return bank
 
     x = torch.randn(3, 16)
-    whole = column([None, None], [8, 6]).delta(x, [(1, slice(0, 3))])
-    halves = [column([(0, 4), (0, 3)], [4, 3]).delta(x, [(1, slice(0, 3))]),
-              column([(4, 8), (3, 6)], [4, 3]).delta(x, [(1, slice(0, 3))])]
+    step = LoraStep()
+    step.set([1, 0, 1], 3, torch.device("cpu"))  # the middle row: the base model
+    whole = column([None, None], [8, 6]).delta(x, step)
+    assert torch.equal(whole[1], torch.zeros(14))
+    halves = [column([(0, 4), (0, 3)], [4, 3]).delta(x, step), column([(4, 8), (3, 6)], [4, 3]).delta(x, step)]
     torch.testing.assert_close(torch.cat([halves[0][:, :4], halves[1][:, :4], halves[0][:, 4:], halves[1][:, 4:]], 1),
                                whole)
 
@@ -107,9 +110,8 @@ def test_tensor_parallel_shards_add_up_to_the_whole():
         bank.load(1, 0, a_o, b_o, cols)
         return bank
 
-    torch.testing.assert_close(row((0, 8)).delta(x[:, :8], [(1, slice(0, 3))])
-                               + row((8, 16)).delta(x[:, 8:], [(1, slice(0, 3))]),
-                               row(None).delta(x, [(1, slice(0, 3))]))
+    torch.testing.assert_close(row((0, 8)).delta(x[:, :8], step) + row((8, 16)).delta(x[:, 8:], step),
+                               row(None).delta(x, step))
 
 
 def test_adapters_it_cannot_serve_exactly_are_refused(adapters, tmp_path, tiny_model):

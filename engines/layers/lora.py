@@ -3,26 +3,31 @@ their deltas added for a batch whose rows use different adapters (the punica / S
 merged copies of the model, no per-request weights).
 
     adapter = read_peft_adapter(path)                 # adapter_config.json + adapter_model.safetensors
-    banks = LoraBanks(model, max_loras, max_rank)     # a bank per decoder linear, on the model's device
+    banks = LoraBanks(model, max_loras, max_rank, dtype, device)   # a bank per decoder linear
     banks.load(slot, adapter)                         # slot 1 .. max_loras (0: no adapter, all zeros)
-    y += bank.delta(x, groups)                        # groups: (slot, rows) of one step's tokens
+    step.set(row_slots, num_rows, device)             # each token row's slot, for one forward
+    y += bank.delta(x, step)
 
-For a linear W [out, in] an adapter adds  Δy = (x Aᵀ) Bᵀ · scaling  with A [r, in], B [out, r],
-scaling = lora_alpha / r (lora_alpha / √r with use_rslora), folded into B at load. Banks hold every
-slot zero-padded to max_rank:
+For a linear W an adapter adds  Δy = (x Aᵀ) Bᵀ · scaling  with A [r, in], B [out, r],
+scaling = lora_alpha / r (lora_alpha / √r with use_rslora), folded into B at load. A bank holds all
+S = max_loras + 1 slots (slot 0: zeros, the base model), each W = P·R wide (P fused parts, R =
+max_rank, ranks zero-padded):
 
     column-parallel (fused parts p = q, k, v or gate, up):
-        A [S, P·R, in]                 the parts' A stacked
-        B [S, out_local, P·R]          block-diagonal: part p's rows read only columns p·R .. (p+1)·R
-    row-parallel (o, down):
-        A [S, R, in_local]             this rank's input columns
-        B [S, out, R]                  whole: each rank's partial delta joins the all-reduce with the
+        A [S, W, in]                   slot s, part p: rows p·R .. of A[s]
+        B [S, out_local, W]            part p's output rows read only its own R columns
+    row-parallel (o, down):  P = 1
+        A [S, W, in_local]             this rank's input columns
+        B [S, out, W]                  whole: each rank's partial delta joins the all-reduce with the
                                        partial product, since B·Σ(x_s A_sᵀ) = Σ B·(x_s A_sᵀ)
 
-A column-parallel shard takes the rows of B the base weight's shard takes (q: its heads; k/v: the
-KV heads this rank holds, replicated when there are fewer than ranks); A whole. A part an adapter
-does not target stays zero. The delta of a step is computed per adapter over the rows that use it
-(two small matmuls each); rows of slot 0 get nothing.
+A step's delta is segment-grouped (punica's SGMV, in plain batched matmuls): the rows of each slot
+from the lowest to the highest the step uses are gathered into one segment each, padded to the
+longest, and two bmm over the segments give each row its own adapter's delta only; the products go
+back to their rows (index_copy). Four ops per linear whatever the mix, and work in proportion to the
+rows (plus padding), not to the adapters loaded. A column-parallel shard takes the rows of B the
+base weight's shard takes (q: its heads; k/v: the KV heads this rank holds, replicated when there
+are fewer than ranks); A whole. A part an adapter does not target stays zero.
 """
 
 from __future__ import annotations
@@ -92,7 +97,7 @@ def read_peft_adapter(path: str, name: str | None = None) -> LoraAdapter:
 
 
 class LoraBank(nn.Module):
-    """One linear's slots (see the module docstring for the layout)."""
+    """One linear's slots (see the module docstring): A [S, W, in] and B [S, out, W], W = P·R."""
 
     def __init__(self, linear: nn.Module, max_loras: int, max_rank: int, rows: list[tuple[int, int] | None],
                  dtype: torch.dtype, device: torch.device):
@@ -103,11 +108,9 @@ class LoraBank(nn.Module):
         self.part_sizes = [out] if self.row_parallel else list(linear.part_sizes)
         self.rows = rows  # per part: this rank's rows of the full part (None: all)
         self.max_rank = max_rank
-        parts = len(self.part_sizes)
-        self.A = nn.Parameter(torch.zeros(max_loras + 1, parts * max_rank, k, dtype=dtype, device=device),
-                              requires_grad=False)
-        self.B = nn.Parameter(torch.zeros(max_loras + 1, out, parts * max_rank, dtype=dtype, device=device),
-                              requires_grad=False)
+        width = len(self.part_sizes) * max_rank  # columns of one slot
+        self.A = nn.Parameter(torch.zeros(max_loras + 1, width, k, dtype=dtype, device=device), requires_grad=False)
+        self.B = nn.Parameter(torch.zeros(max_loras + 1, out, width, dtype=dtype, device=device), requires_grad=False)
 
     def load(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor, cols: tuple[int, int] | None) -> None:
         """A [r, in_full], B [out_full_part, r] (scaling folded in) into `slot`'s part."""
@@ -115,27 +118,24 @@ class LoraBank(nn.Module):
         start = sum(self.part_sizes[:part])
         lo, hi = self.rows[part] or (0, b.shape[0])
         a = a[:, cols[0]:cols[1]] if cols else a
-        self.A.data[slot, part * self.max_rank:part * self.max_rank + r].copy_(a)
-        self.B.data[slot, start:start + self.part_sizes[part], part * self.max_rank:part * self.max_rank + r].copy_(
-            b[lo:hi])
+        first = part * self.max_rank
+        self.A.data[slot, first:first + r].copy_(a)
+        self.B.data[slot, start:start + self.part_sizes[part], first:first + r].copy_(b[lo:hi])
 
     def clear(self, slot: int) -> None:
         self.A.data[slot].zero_()
         self.B.data[slot].zero_()
 
-    def delta(self, x: torch.Tensor, groups: list[tuple[int, torch.Tensor | slice]]) -> torch.Tensor:
-        """x [N, in] → Δy [N, out]: each group's rows (a slice or an index tensor) through its slot."""
-        out = x.new_zeros(x.shape[0], self.B.shape[1])
-        for slot, rows in groups:
-            if slot == 0:
-                continue
-            xs = x[rows]
-            d = torch.matmul(torch.matmul(xs, self.A[slot].t()), self.B[slot].t())
-            if isinstance(rows, slice):
-                out[rows] = d
-            else:
-                out.index_copy_(0, rows, d)
-        return out
+    def delta(self, x: torch.Tensor, step: "LoraStep") -> torch.Tensor:
+        """x [N, in] → Δy [N, out]: the rows of each slot in the step's range gathered into one padded
+        segment each, two batched matmuls over the segments, the products put back in row order
+        (padding rows and the base model's rows get zeros)."""
+        lo, hi, seg = step.lo, step.hi, step.segment
+        xs = x.index_select(0, step.src).view(hi - lo, seg, x.shape[1])  # [k, G, in]
+        d = torch.bmm(torch.bmm(xs, self.A[lo:hi].transpose(1, 2)), self.B[lo:hi].transpose(1, 2))  # [k, G, out]
+        out = x.new_zeros(x.shape[0] + 1, d.shape[2])  # the last row takes the padding's products
+        out.index_copy_(0, step.dest, d.view(-1, d.shape[2]))
+        return out[:-1]
 
 
 class LoraBanks:
@@ -187,11 +187,36 @@ def _shard(size: int, comm) -> tuple[int, int] | None:
 
 
 class LoraStep:
-    """The adapter groups of the forward running now (set by the model runner around each forward):
-    (slot, rows) per adapter present; empty: no adapter rows, nothing to add."""
+    """Which token rows of the forward running now use which slot (set by the model runner around
+    each forward; `active` False: no row uses an adapter, nothing to add), as segments: slots lo..hi-1
+    each get `segment` rows, src[i] the token row gathered into position i (padding: row 0) and
+    dest[i] where its product goes (padding: N, a row that is dropped)."""
 
     def __init__(self):
-        self.groups: list[tuple[int, torch.Tensor | slice]] = []
+        self.active = False
+        self.lo = self.hi = self.segment = 0
+        self.src = self.dest = None
+
+    def set(self, row_slots: list[int] | None, num_rows: int, device: torch.device) -> None:
+        """row_slots: the slot (0: the base model) of each of the first token rows of the step's
+        `num_rows` (the rest: padding), or None."""
+        self.active = bool(row_slots) and any(row_slots)
+        if not self.active:
+            return
+        rows: dict[int, list[int]] = {}
+        for i, slot in enumerate(row_slots):
+            if slot:
+                rows.setdefault(slot, []).append(i)
+        self.lo, self.hi = min(rows), max(rows) + 1
+        self.segment = max(len(r) for r in rows.values())
+        n = num_rows
+        src, dest = [], []
+        for slot in range(self.lo, self.hi):
+            r = rows.get(slot, [])
+            src += r + [0] * (self.segment - len(r))
+            dest += r + [n] * (self.segment - len(r))
+        self.src = torch.tensor(src, dtype=torch.long).to(device, non_blocking=True)
+        self.dest = torch.tensor(dest, dtype=torch.long).to(device, non_blocking=True)
 
 
 class LoraHook:
@@ -202,10 +227,10 @@ class LoraHook:
         self.bank, self.step = bank, step
 
     def delta(self, x: torch.Tensor) -> torch.Tensor | None:
-        if not self.step.groups:
+        if not self.step.active:
             return None
         flat = x.reshape(-1, x.shape[-1])
-        return self.bank.delta(flat, self.step.groups).view(*x.shape[:-1], -1)
+        return self.bank.delta(flat, self.step).view(*x.shape[:-1], -1)
 
 
 def lora_hook(linear: nn.Module) -> LoraHook | None:

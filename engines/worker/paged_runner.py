@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engines.attention.base import AttentionBackend, ForwardBatch, SeqChunk, select_backend, to_device
+from engines.attention.base import AttentionBackend, ForwardBatch, SeqChunk, select_backend
 from engines.core.plan import StepPlan
 from engines.models.registry import fallback_reason
 from engines.worker.model_runner import ModelRunner
@@ -251,14 +251,14 @@ class PagedRunner:
     def _run_model(self, view, meta, model=None) -> torch.Tensor | None:
         model = model or self.runner.model
         lora = self.runner.lora
-        if lora is not None:  # each adapter's rows of this step (padding rows: none)
-            lora.step.groups = lora_groups(view.chunks, self.runner.device)
+        if lora is not None:  # each token row's adapter slot (padding rows: 0), or None: no adapter rows
+            lora.step.set(lora_row_slots(view.chunks), view.num_tokens, self.runner.device)
         try:
             return model(view.input_ids.view(1, -1), view.positions.view(1, -1), self.backend, meta,
                          view.logits_indices)
         finally:
             if lora is not None:
-                lora.step.groups = []
+                lora.step.set(None, 0, self.runner.device)
 
     def _lora_slot(self, name: str | None) -> int:
         if name is None:
@@ -389,18 +389,12 @@ class PagedRunner:
         return buf[:-1], bool(buf[-1])
 
 
-def lora_groups(chunks, device: torch.device) -> list[tuple[int, torch.Tensor | slice]]:
-    """A step's token rows by LoRA slot: (slot, rows) per adapter present, rows a slice when they are
-    contiguous (one chunk, or neighbours), else an index tensor; slot 0 (the base model) left out."""
-    rows: dict[int, list[int]] = {}
-    start = 0
+def lora_row_slots(chunks) -> list[int] | None:
+    """Each token row's LoRA slot (0: the base model) over the step's chunks (padding rows after them
+    get nothing), or None when no chunk uses an adapter."""
+    if not any(c.lora_slot for c in chunks):
+        return None
+    slots: list[int] = []
     for c in chunks:
-        if c.lora_slot:
-            rows.setdefault(c.lora_slot, []).extend(range(start, start + c.num_tokens))
-        start += c.num_tokens
-    groups: list[tuple[int, torch.Tensor | slice]] = []
-    for slot, r in rows.items():
-        contiguous = r[-1] - r[0] + 1 == len(r)
-        groups.append((slot, slice(r[0], r[-1] + 1) if contiguous else to_device(r, device, torch.long)))
-    return groups
-
+        slots += [c.lora_slot] * c.num_tokens
+    return slots
