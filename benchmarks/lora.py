@@ -21,7 +21,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 CONFIGS = {"base only": 0, "base, LoRA on": -1, "1 adapter": 1, "4 adapters": 4, "8 adapters": 8}
 
@@ -52,6 +51,7 @@ def measure_one(model_dir: str, batch: int, prompt: int, new: int, dtype: str, a
     from engines.config import ENGINE_PAGED, LmiConfig, ModelConfig, SchedulerConfig
     from engines.protocol import Add
     from engines.sampling_params import SamplingParams
+    from benchmarks.step import run_to_end
     from engines.worker.paged_engine import PagedEngine
 
     generated = [0]
@@ -71,13 +71,7 @@ def measure_one(model_dir: str, batch: int, prompt: int, new: int, dtype: str, a
     for i in range(batch):
         name = f"a{i % adapters}" if adapters > 0 else None  # evenly over the adapters
         engine.add(Add(f"r{i}", [rng.randrange(3, 1000) for _ in range(prompt)], params, name))
-    steps = []
-    started = time.perf_counter()
-    while engine.has_work():
-        t = time.perf_counter()
-        engine.step()
-        steps.append(time.perf_counter() - t)
-    wall = time.perf_counter() - started
+    wall, steps = run_to_end(engine)
     assert generated[0] == batch * new, (generated[0], batch * new)
     return {"tok_s": generated[0] / wall, "decode_step_ms": 1e3 * statistics.median(steps[2:-1])}
 

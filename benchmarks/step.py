@@ -61,18 +61,23 @@ def measure_one(model_dir: str, batch: int, prompt: int, new: int, dtype: str, c
     params = SamplingParams(max_new_tokens=new, ignore_eos=True)
     for i in range(batch):
         engine.add(Add(f"r{i}", [rng.randrange(3, 1000) for _ in range(prompt)], params))
+    wall, steps = run_to_end(engine)
+    assert generated[0] == batch * new, (generated[0], batch * new)
+    decode_steps = steps[2:-1]  # every request decoding (the first step prefills every prompt)
+    linears = linears_alone(engine.runner.model, batch, compiled=compile_cache is not None)
+    return {"tok_s": generated[0] / wall, "wall_s": wall, "decode_step_ms": 1e3 * statistics.median(decode_steps),
+            "linears_ms": linears, "num_steps": len(steps), "load_s": load_s}
+
+
+def run_to_end(engine) -> tuple[float, list[float]]:
+    """Step the engine until it has no work: (wall seconds, each step's seconds)."""
     steps = []
     started = time.perf_counter()
     while engine.has_work():
         t = time.perf_counter()
         engine.step()
         steps.append(time.perf_counter() - t)
-    wall = time.perf_counter() - started
-    assert generated[0] == batch * new, (generated[0], batch * new)
-    decode_steps = steps[2:-1]  # every request decoding (the first step prefills every prompt)
-    linears = linears_alone(engine.runner.model, batch, compiled=compile_cache is not None)
-    return {"tok_s": generated[0] / wall, "wall_s": wall, "decode_step_ms": 1e3 * statistics.median(decode_steps),
-            "linears_ms": linears, "num_steps": len(steps), "load_s": load_s}
+    return time.perf_counter() - started, steps
 
 
 def linears_alone(model, batch: int, compiled: bool = False) -> float:
