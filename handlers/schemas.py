@@ -128,14 +128,14 @@ def _adapter_names(adapters, adapter_id, num_inputs: int) -> tuple[str | None, .
 
 
 def _refuse_adapters(value, where: str) -> None:
-    """A request for a LoRA adapter: a 404 naming it (none is served), never the base model's answer
-    under the adapter's name. An empty value asks for the base model."""
+    """A request for a LoRA adapter where none is served (option.enable_lora off): a 404 naming it, never
+    the base model's answer under the adapter's name. An empty value asks for the base model."""
     if value in (None, "", []):
         return
     names = value if isinstance(value, list) else [value]
     shown = ", ".join(json.dumps(n) for n in names[:4]) + (", ..." if len(names) > 4 else "")
     raise HttpError(404, f"\"{where}\": no LoRA adapter named {shown}: this server serves the base model only "
-                         "(lmi-serve does not load LoRA adapters yet); send the request without it", param=where)
+                         "(adapters are served with option.enable_lora); send the request without it", param=where)
 
 
 def _inputs(value, limits: RequestLimits) -> tuple[list[str], bool]:
