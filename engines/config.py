@@ -7,6 +7,7 @@ handlers may import it.
 
 from __future__ import annotations
 
+import os
 import re
 
 import msgspec
@@ -129,3 +130,13 @@ def memory_bytes(spec: str, free_bytes: int) -> int:
     """Bytes for a `parse_memory` spec (a fraction applies to `free_bytes`)."""
     amount, is_fraction = parse_memory(spec)
     return int(amount * free_bytes) if is_fraction else int(amount)
+
+
+def lora_adapter_names(adapters_dir: str) -> list[str]:
+    """The LoRA adapters option.enable_lora serves: the directories under MODEL_DIR/adapters holding an
+    adapter_config.json, sorted (their slots follow this order on every rank)."""
+    if not os.path.isdir(adapters_dir):
+        return []
+    return sorted(d for d in os.listdir(adapters_dir)
+                  if os.path.isfile(os.path.join(adapters_dir, d, "adapter_config.json")))
+

@@ -24,7 +24,7 @@ import msgspec
 from flask import Flask, Response, g, request
 from werkzeug.exceptions import HTTPException
 
-from engines.config import ENGINE_DYNAMIC, LmiConfig
+from engines.config import ENGINE_DYNAMIC, LmiConfig, lora_adapter_names
 from engines.models.spec import ModelSpec
 from engines.ipc import high_water_mark
 from engines.protocol import STATE_READY, draining_path, engine_socket_path, read_failure, write_failure
@@ -64,7 +64,8 @@ class Service:
         self.is_dynamic = config.scheduler.engine_kind == ENGINE_DYNAMIC
         self.limits = RequestLimits(config.server.max_inputs_per_request, config.server.max_input_chars)
         # option.enable_lora: the adapters the engine loads (the same listing), for the OpenAI routes' `model`
-        self.adapters = adapter_names(config.model.local_dir) if config.model.enable_lora else []
+        self.adapters = lora_adapter_names(os.path.join(config.model.local_dir, "adapters")) \
+            if config.model.enable_lora else []
         self.engine_ready = False
         self._drain_deadline: float | None = None
 
@@ -333,12 +334,3 @@ def build_app(service: Service) -> Flask:
 
 def _json(body, status: int) -> Response:
     return Response(json.dumps(body, ensure_ascii=False), status=status, mimetype="application/json")
-
-
-def adapter_names(model_dir: str) -> list[str]:
-    """The LoRA adapters under MODEL_DIR/adapters, as engines.layers.lora.LoraAdapters finds them."""
-    root = os.path.join(model_dir, "adapters")
-    if not os.path.isdir(root):
-        return []
-    return sorted(d for d in os.listdir(root) if os.path.isfile(os.path.join(root, d, "adapter_config.json")))
-

@@ -259,18 +259,10 @@ def select_backend(name: str, device: torch.device, kv_dtype: torch.dtype | None
 
 
 def cpu_kernel_runs(device: torch.device, dtype: torch.dtype | None) -> bool:
-    """The CPU decode kernel takes this model (float32 or bf16 on a CPU) and builds here; the first
-    answer is logged, with the reason when it does not build."""
+    """The CPU decode kernel takes this model (float32 or bf16 on a CPU) and builds here (a failed
+    build is logged once, by the kernel's loader)."""
     if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return False
     from engines.kernels import cpu_attention
 
-    runs = cpu_attention.load() is not None
-    if not runs and not _cpu_kernel_logged:
-        log.warning("the CPU paged decode kernel did not build (%s): the torch attention backend instead",
-                    cpu_attention.why())
-        _cpu_kernel_logged.append(True)
-    return runs
-
-
-_cpu_kernel_logged: list[bool] = []
+    return cpu_attention.load() is not None

@@ -83,11 +83,18 @@ def compiler() -> str | None:
     return shutil.which("cc") or shutil.which("gcc")
 
 
+def _fail(reason: str) -> None:
+    _failure.append(reason)
+    log.warning("the CPU paged decode kernel did not build (%s): auto picks the torch attention backend", reason)
+
+
 @functools.cache
 def load() -> ctypes.CDLL | None:
+    """The kernel, built here if no build of this source, compiler and CPU is cached; None (logged once,
+    why() says why) when it cannot build."""
     cc = compiler()
     if cc is None:
-        _failure.append("no C compiler (cc or gcc) on PATH")
+        _fail("no C compiler (cc or gcc) on PATH")
         return None
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_flags()]).encode()).hexdigest()
@@ -100,11 +107,11 @@ def load() -> ctypes.CDLL | None:
                 log.info("built the CPU paged decode kernel: %s", target)
             return bind(target)
         except subprocess.CalledProcessError as e:  # the source or the flags: no other directory helps
-            _failure.append(f"{cc} failed: {e.stderr.strip()[-500:]}")
+            _fail(f"{cc} failed: {e.stderr.strip()[-500:]}")
             return None
         except (OSError, subprocess.SubprocessError) as e:
             errors.append(f"{directory}: {e}")
-    _failure.append("; ".join(errors))
+    _fail("; ".join(errors))
     return None
 
 

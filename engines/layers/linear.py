@@ -64,6 +64,13 @@ def choose_cpu_matmul(in_features: int, out_features: int, rows: int = 32) -> tu
     return MatmulPolicy.upcast, 1e3 * best["native"], 1e3 * best["upcast"]
 
 
+def lora_delta(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """option.enable_lora: the LoRA delta of x for the linear `module` (engines/layers/lora.py's hook, kept
+    in its __dict__, outside the module tree), or None when it has none or no row uses an adapter."""
+    hook = module.__dict__.get("lora")
+    return hook.delta(x) if hook is not None else None
+
+
 def shard_range(size: int, rank: int, world: int) -> tuple[int, int]:
     if size % world:
         raise ValueError(f"dimension {size} does not split evenly over {world} ranks")
@@ -106,8 +113,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight, self.bias)
-        lora = self.__dict__.get("lora")  # option.enable_lora: engines/layers/lora.py's hook
-        delta = lora.delta(x) if lora is not None else None
+        delta = lora_delta(self, x)
         return y if delta is None else y + delta
 
 
@@ -130,7 +136,6 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         partial = linear(x, self.weight)
-        lora = self.__dict__.get("lora")  # this rank's partial LoRA delta joins the all-reduce
-        delta = lora.delta(x) if lora is not None else None
+        delta = lora_delta(self, x)  # this rank's partial LoRA delta joins the all-reduce
         y = self.comm.all_reduce(partial if delta is None else partial + delta)
         return y + self.bias if self.bias is not None else y

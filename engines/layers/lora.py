@@ -41,6 +41,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from engines.attention.base import to_device
+from engines.config import lora_adapter_names
+
 # HF module name → (owner, our module, fused part or None)
 TARGETS = {"q_proj": ("self_attn", "qkv_proj", 0), "k_proj": ("self_attn", "qkv_proj", 1),
            "v_proj": ("self_attn", "qkv_proj", 2), "o_proj": ("self_attn", "o_proj", None),
@@ -57,10 +60,6 @@ class LoraAdapter:
     scaling: float
     # (layer, HF module name) → (A [r, in], B [out, r]) in float32
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-
-    @property
-    def target_modules(self) -> set[str]:
-        return {module for _, module in self.weights}
 
 
 def read_peft_adapter(path: str, name: str | None = None) -> LoraAdapter:
@@ -197,12 +196,13 @@ class LoraStep:
         self.lo = self.hi = self.segment = 0
         self.src = self.dest = None
 
-    def set(self, row_slots: list[int] | None, num_rows: int, device: torch.device) -> None:
+    def clear(self) -> None:
+        self.active = False
+
+    def set(self, row_slots: list[int], num_rows: int, device: torch.device) -> None:
         """row_slots: the slot (0: the base model) of each of the first token rows of the step's
-        `num_rows` (the rest: padding), or None."""
-        self.active = bool(row_slots) and any(row_slots)
-        if not self.active:
-            return
+        `num_rows` (the rest: padding); at least one row uses an adapter."""
+        self.active = True
         rows: dict[int, list[int]] = {}
         for i, slot in enumerate(row_slots):
             if slot:
@@ -215,8 +215,7 @@ class LoraStep:
             r = rows.get(slot, [])
             src += r + [0] * (self.segment - len(r))
             dest += r + [n] * (self.segment - len(r))
-        self.src = torch.tensor(src, dtype=torch.long).to(device, non_blocking=True)
-        self.dest = torch.tensor(dest, dtype=torch.long).to(device, non_blocking=True)
+        self.src, self.dest = to_device(src, device, torch.long), to_device(dest, device, torch.long)
 
 
 class LoraHook:
@@ -233,19 +232,13 @@ class LoraHook:
         return self.bank.delta(flat, self.step).view(*x.shape[:-1], -1)
 
 
-def lora_hook(linear: nn.Module) -> LoraHook | None:
-    return linear.__dict__.get("lora")
-
-
 class LoraAdapters:
     """Every adapter under `adapters_dir` (one PEFT directory each, named by it), resident in slots
     1..n of the banks, the banks hooked into the model's linears. → slots: name → slot."""
 
     def __init__(self, model: nn.Module, adapters_dir: str, max_loras: int, max_rank: int, dtype: torch.dtype,
                  device: torch.device):
-        names = sorted(d for d in os.listdir(adapters_dir)
-                       if os.path.isfile(os.path.join(adapters_dir, d, "adapter_config.json"))) \
-            if os.path.isdir(adapters_dir) else []
+        names = lora_adapter_names(adapters_dir)
         if not names:
             raise ValueError(f"option.enable_lora=true and no LoRA adapter under {adapters_dir} (one directory per "
                              "adapter, holding adapter_config.json and adapter_model.safetensors)")

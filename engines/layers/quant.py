@@ -243,11 +243,11 @@ def check_quantizable(method: str, dtype: torch.dtype, device: torch.device) -> 
     if method == "int8_dynamic" and torch.backends.quantized.engine not in ("x86", "fbgemm", "onednn"):
         raise ValueError(f"option.quantize=int8_dynamic needs PyTorch's x86 quantized engine, and this CPU has "
                          f"{torch.backends.quantized.engine}; use option.quantize=int8")
-    if method == "fp8" and fp8_kernel_problem(device, dtype):
+    problem = fp8_kernel_problem(device, dtype) if method == "fp8" else None
+    if problem:
         instead = "int8_dynamic (the fastest here) or int8" if device.type == "cpu" else "int8 or int4"
         raise ValueError(f"option.quantize=fp8 runs on CUDA GPUs with fp8 tensor cores (compute capability 8.9+: "
-                         f"L4, L40S, H100, H200) in bf16 ({fp8_kernel_problem(device, dtype)}); use "
-                         f"option.quantize={instead}")
+                         f"L4, L40S, H100, H200) in bf16 ({problem}); use option.quantize={instead}")
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"option.quantize={method} runs on CPU and CUDA, not {device.type}")
 

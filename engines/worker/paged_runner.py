@@ -251,14 +251,15 @@ class PagedRunner:
     def _run_model(self, view, meta, model=None) -> torch.Tensor | None:
         model = model or self.runner.model
         lora = self.runner.lora
-        if lora is not None:  # each token row's adapter slot (padding rows: 0), or None: no adapter rows
-            lora.step.set(lora_row_slots(view.chunks), view.num_tokens, self.runner.device)
+        slots = lora_row_slots(view.chunks) if lora is not None else None
+        if slots is not None:  # each token row's adapter slot (padding rows: 0)
+            lora.step.set(slots, view.num_tokens, self.runner.device)
         try:
             return model(view.input_ids.view(1, -1), view.positions.view(1, -1), self.backend, meta,
                          view.logits_indices)
         finally:
-            if lora is not None:
-                lora.step.set(None, 0, self.runner.device)
+            if slots is not None:
+                lora.step.clear()
 
     def _lora_slot(self, name: str | None) -> int:
         if name is None:
