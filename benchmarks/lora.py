@@ -59,7 +59,8 @@ def measure_one(model_dir: str, batch: int, prompt: int, new: int, dtype: str, a
     def publish(outputs):
         generated[0] += sum(len(o.token_ids) for o in outputs)
 
-    lora = {"enable_lora": True, "max_loras": max_loras, "max_lora_rank": rank} if adapters else {}
+    lora = {"enable_lora": True, "max_loras": max_loras, "max_lora_rank": rank, "max_cpu_loras": max_loras} \
+        if adapters else {}
     config = LmiConfig(model=ModelConfig(local_dir=model_dir, dtype=dtype, **lora),
                        scheduler=SchedulerConfig(engine_kind=ENGINE_PAGED, max_num_seqs=batch,
                                                  max_num_batched_tokens=max(1024, batch * prompt),

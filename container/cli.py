@@ -9,7 +9,7 @@ import sys
 import time
 
 from container import config as cfgmod
-from container.artifacts import ArtifactError, resolve_model
+from engines.artifacts import ArtifactError, resolve_model
 from container.keys import KEY_ALIASES, ConfigError
 from container.model_maker import ARCHITECTURES, DTYPES, SIZES
 from container.properties import PropertiesError, read_properties, read_vllm_yaml
@@ -55,14 +55,18 @@ def cmd_serve(args) -> int:
     started = time.perf_counter()
     resolved = _resolve(args)
     configuring = time.perf_counter() - started
+    download_dir = resolved["download_dir"] or cfgmod.default_download_dir(os.environ)
     with TIMELINE.phase("model_resolve"):
         local_dir = resolve_model(resolved["option.model_id"], args.model_dir, revision=resolved["option.revision"],
-                                  download_dir=resolved["download_dir"] or cfgmod.default_download_dir(os.environ))
+                                  download_dir=download_dir)
+        adapters = {name: resolve_model(src, None, download_dir=download_dir)  # option.adapters: S3, hub, local
+                    for name, src in (resolved["option.adapters"] or {}).items()}
     started = time.perf_counter()
     spec = cfgmod.read_spec(local_dir, resolved["option.max_model_len"])
     config = cfgmod.build(resolved, local_dir=local_dir, spec=spec,
                           num_gpus=cfgmod.count_gpus(os.environ), num_cpus=os.cpu_count() or 1,
-                          port=cfgmod.resolve_port(args.port, os.environ))
+                          port=cfgmod.resolve_port(args.port, os.environ), adapters=adapters,
+                          download_dir=download_dir)
     TIMELINE.record("configuration", configuring + time.perf_counter() - started, "serving.properties, environment")
     log.info("configuration:\n  %s", "\n  ".join(cfgmod.describe(resolved)))
     log.info("engine: %s, model: %s", config.scheduler.engine_kind, local_dir)

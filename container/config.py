@@ -244,8 +244,10 @@ def resolve_tensor_parallel(cfg: ResolvedConfig, num_gpus: int, num_cpus: int) -
 
 
 def build(cfg: ResolvedConfig, *, local_dir: str, spec: ModelSpec | None,
-          num_gpus: int, num_cpus: int, port: int) -> LmiConfig:
-    """The typed configuration the engine and HTTP workers run with."""
+          num_gpus: int, num_cpus: int, port: int, adapters: dict[str, str] | None = None,
+          download_dir: str = "") -> LmiConfig:
+    """The typed configuration the engine and HTTP workers run with. adapters: option.adapters with
+    each location resolved to a local directory (by the caller, which fetches S3 and hub ones)."""
     kind = select_engine(cfg, spec)
     fallback = fallback_reason(cfg, spec)
     if fallback and cfg["option.model_impl"] == "native":
@@ -277,7 +279,10 @@ def build(cfg: ResolvedConfig, *, local_dir: str, spec: ModelSpec | None,
                         max_model_len=cfg["option.max_model_len"], quantize=cfg["option.quantize"],
                         kv_cache_dtype=cfg["option.kv_cache_dtype"], load_cache_dir=cfg["option.load_cache_dir"],
                         enable_lora=cfg["option.enable_lora"], max_loras=cfg["option.max_loras"],
-                        max_lora_rank=cfg["option.max_lora_rank"])
+                        max_lora_rank=cfg["option.max_lora_rank"],
+                        max_cpu_loras=cfg["option.max_cpu_loras"] or cfg["option.max_loras"],
+                        adapters=adapters if adapters is not None else cfg["option.adapters"] or {},
+                        download_dir=download_dir)
     scheduler = SchedulerConfig(
         engine_kind=kind, batch_size=cfg["batch_size"], max_batch_delay_ms=cfg["max_batch_delay"],
         job_queue_size=cfg["job_queue_size"], max_num_seqs=cfg["option.max_rolling_batch_size"],
@@ -302,16 +307,22 @@ def build(cfg: ResolvedConfig, *, local_dir: str, spec: ModelSpec | None,
 def check_lora(cfg: ResolvedConfig, kind: str, fallback: str | None) -> None:
     """LoRA adapters run in the paged engine on our model code, decode steps eager (docs/lora.md)."""
     if not cfg["option.enable_lora"]:
+        if cfg["option.adapters"]:
+            raise ConfigError("option.adapters is set and option.enable_lora is not: set option.enable_lora=true to "
+                              "serve them")
         return
-    if kind != ENGINE_PAGED:
-        raise ConfigError(f"option.enable_lora=true runs in the paged engine, and this configuration runs the {kind} "
-                          "engine; use option.rolling_batch=lmi-dist (or auto)")
+    if kind == ENGINE_DYNAMIC:
+        raise ConfigError("option.enable_lora=true runs in the rolling-batch engines, and this configuration runs "
+                          "dynamic batching; use option.rolling_batch=lmi-dist (or auto), or scheduler")
     if fallback:
         raise ConfigError(f"option.enable_lora=true applies adapters to our model code, and this model runs on the "
                           f"transformers fallback ({fallback})")
-    for key in ("option.speculative_method", "option.cpu_compile"):
-        if cfg[key]:
-            raise ConfigError(f"option.enable_lora=true with {key}={cfg[key]}: not supported together yet; unset one")
+    if cfg["option.speculative_method"]:
+        raise ConfigError(f"option.enable_lora=true with option.speculative_method={cfg['option.speculative_method']}: "
+                          "not supported together yet; unset one")
+    if cfg["option.max_cpu_loras"] is not None and cfg["option.max_cpu_loras"] < cfg["option.max_loras"]:
+        raise ConfigError(f"option.max_cpu_loras={cfg['option.max_cpu_loras']} is below option.max_loras="
+                          f"{cfg['option.max_loras']}: every adapter on the device is also kept in RAM; raise it")
 
 
 def check_kv_cache_dtype(cfg: ResolvedConfig, kind: str) -> None:

@@ -91,6 +91,37 @@ _QUANTIZE_MISSING = {
 }
 
 
+def lora_modules(key: str, raw: str) -> dict[str, str]:
+    """LoRA adapters by name: `name=path` pairs separated by spaces or commas (vLLM's --lora-modules), or
+    JSON: an object {name: path} or vLLM's list of {"name", "path"}. A path: a local directory, s3://
+    prefix or hub id."""
+    import json
+
+    text_value = raw.strip()
+    try:
+        parsed = json.loads(text_value) if text_value[:1] in "[{" else None
+    except ValueError:
+        raise _fail(key, raw, "name=path pairs, or JSON") from None
+    if isinstance(parsed, list) and all(isinstance(m, dict) and {"name", "path"} <= set(m) for m in parsed):
+        pairs = [(str(m["name"]), str(m["path"])) for m in parsed]
+    elif isinstance(parsed, dict):
+        pairs = [(str(k), str(v)) for k, v in parsed.items()]
+    elif parsed is None:
+        items = [item for item in text_value.replace(",", " ").split() if item]
+        if not all("=" in item for item in items):
+            raise _fail(key, raw, "name=path pairs separated by spaces or commas (e.g. math=/opt/ml/math "
+                                  "sql=s3://bucket/sql/)")
+        pairs = [tuple(item.split("=", 1)) for item in items]
+    else:
+        raise _fail(key, raw, 'a JSON object {"name": "path"} or a list of {"name": ..., "path": ...}')
+    found: dict[str, str] = {}
+    for name, path in pairs:
+        if not name or not path or name in found:
+            raise _fail(key, raw, "each adapter named once, with a path")
+        found[name] = path
+    return found
+
+
 def quantize_method(key: str, raw: str) -> str:
     name = raw.strip().lower()
     name = _QUANTIZE_ALIASES.get(name, name)
@@ -177,11 +208,17 @@ KEYS: tuple[Key, ...] = (
         "FlexAttention), cpu (our C decode kernel), torch, or auto (flash_attn, else triton on CUDA; on CPU cpu "
         "when its kernel builds, else torch; torch for an fp8 KV cache)"),
     Key("option.enable_lora", boolean, False,
-        "paged engine: serve the LoRA adapters under MODEL_DIR/adapters/<name> (PEFT format) beside the base model: "
-        "a request names one (LMI \"adapters\", TGI parameters.adapter_id), base and adapter rows share each step "
-        "(docs/lora.md)"),
-    Key("option.max_loras", integer(1), 4, "LoRA adapter slots (every adapter found must fit: all stay resident)"),
+        "paged engine: serve LoRA adapters (PEFT format) beside the base model: those under MODEL_DIR/adapters/<name>, "
+        "in option.adapters, or registered at run time; a request names one (LMI \"adapters\", TGI "
+        "parameters.adapter_id, OpenAI model), base and adapter rows share each step (docs/lora.md)"),
+    Key("option.max_loras", integer(1), 4, "LoRA adapters on the device at once (slots; the least recently used "
+                                           "idle one makes room for another)"),
     Key("option.max_lora_rank", integer(1), 16, "the largest LoRA rank an adapter may have (slots are padded to it)"),
+    Key("option.max_cpu_loras", integer(1), None, "LoRA adapters kept read in RAM, the most recently used (unset: "
+                                                  "option.max_loras; others are read from disk when next placed)"),
+    Key("option.adapters", lora_modules, None,
+        "LoRA adapters served from the start besides MODEL_DIR/adapters: name=path pairs (a local directory, s3:// "
+        "prefix or hub id), or JSON (vLLM's lora_modules)"),
     Key("option.kv_cache_dtype", choice("auto", "fp8", "fp8_e4m3", "fp8_e5m2"), "auto",
         "paged engine: how K/V are stored: auto (the model dtype), or fp8 (= fp8_e4m3) / fp8_e5m2, half of bf16's "
         "bytes, rounded on write and widened on read by the torch attention backend (docs/quantization.md)"),
@@ -232,14 +269,15 @@ KEY_ALIASES = {"max_dynamic_batch_size": "batch_size",
                "option.max_num_seqs": "option.max_rolling_batch_size",
                "option.max_num_batched_tokens": "option.max_rolling_batch_prefill_tokens",
                "option.speculative_draft_model": "option.speculative_model",
-               "option.speculative_length": "option.num_speculative_tokens"}
+               "option.speculative_length": "option.num_speculative_tokens",
+               "option.lora_modules": "option.adapters"}
 
 # DJL and vLLM settings lmi-serve does not implement: ignored with a warning that says so, never
 # with a "did you mean" pointing at an unrelated key of ours.
 FOREIGN_KEYS = frozenset({
     "option.max_logprobs", "option.enable_chunked_prefill", "option.cpu_offload_gb_per_gpu", "option.cpu_offload_gb",
     "option.lora_extra_vocab_size",
-    "option.max_cpu_loras", "option.draft_model_tp_size", "option.record_acceptance_rate", "option.pipeline_parallel_degree",
+    "option.draft_model_tp_size", "option.record_acceptance_rate", "option.pipeline_parallel_degree",
     "option.decoding_strategy", "option.max_sparsity", "option.max_splits", "option.waiting_steps",
     "option.swap_space", "option.block_size", "option.seed", "option.tokenizer", "option.tokenizer_mode",
     "option.max_input_len", "option.max_output_len", "option.async_mode", "option.use_passive_workers",

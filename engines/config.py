@@ -30,10 +30,14 @@ class ModelConfig(msgspec.Struct, frozen=True):
     quantize: str | None = None
     kv_cache_dtype: str = "auto"  # how K/V are stored: auto (the model dtype) | fp8 (= fp8_e4m3) | fp8_e5m2
     load_cache_dir: str | None = None  # a load-optimised copy of each rank's weights (engines/load_cache.py)
-    # LoRA adapters (engines/layers/lora.py): MODEL_DIR/adapters/<name>, all resident, max_loras at most
+    # LoRA adapters (engines/layers/lora.py, docs/lora.md): MODEL_DIR/adapters/<name>, option.adapters, or
+    # registered at run time; max_loras in device slots, the max_cpu_loras most recently used read in RAM
     enable_lora: bool = False
     max_loras: int = 4
     max_lora_rank: int = 16
+    max_cpu_loras: int = 4
+    adapters: dict[str, str] = {}  # option.adapters: name → local PEFT directory (S3 fetched by the launcher)
+    download_dir: str = ""  # where S3 artifacts go (adapters registered at run time too)
 
 
 class SchedulerConfig(msgspec.Struct, frozen=True):
@@ -133,10 +137,21 @@ def memory_bytes(spec: str, free_bytes: int) -> int:
 
 
 def lora_adapter_names(adapters_dir: str) -> list[str]:
-    """The LoRA adapters option.enable_lora serves: the directories under MODEL_DIR/adapters holding an
-    adapter_config.json, sorted (their slots follow this order on every rank)."""
+    """The directories under MODEL_DIR/adapters holding an adapter_config.json, sorted."""
     if not os.path.isdir(adapters_dir):
         return []
     return sorted(d for d in os.listdir(adapters_dir)
                   if os.path.isfile(os.path.join(adapters_dir, d, "adapter_config.json")))
+
+
+def lora_sources(model: ModelConfig) -> dict[str, str]:
+    """The LoRA adapters served from the start, name → directory, in the order every rank registers
+    them (and places the first max_loras in slots): MODEL_DIR/adapters/<name>, then option.adapters."""
+    adapters_dir = os.path.join(model.local_dir, "adapters")
+    found = {name: os.path.join(adapters_dir, name) for name in lora_adapter_names(adapters_dir)}
+    for name, path in model.adapters.items():
+        if name in found:
+            raise ValueError(f"LoRA adapter {name!r} is in option.adapters and under {adapters_dir}: rename one")
+        found[name] = path
+    return found
 

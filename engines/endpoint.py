@@ -1,8 +1,8 @@
 """The engine's ZeroMQ side: one IO thread owns the ROUTER socket.
 
 It answers HEALTH at once (also while the model is still loading) from the snapshot the engine
-keeps, hands ADD/ABORT to the engine, and sends the engine's outputs back to the worker socket each
-request came from. The engine thread publishes through an inproc PUSH socket, so no ZeroMQ socket
+keeps, hands ADD/ABORT/ADAPTER_COMMAND to the engine, and sends the engine's outputs and replies back
+to the worker socket each request came from. The engine thread publishes through an inproc PUSH socket, so no ZeroMQ socket
 is ever used by two threads. Nothing is dropped: outputs wait in an outbox while a worker's queue
 is full (engines/ipc.py); only outputs for a worker that is gone are discarded, and their request
 is aborted so the engine stops working for nobody.
@@ -18,13 +18,13 @@ import msgspec
 import zmq
 
 from engines import ipc, protocol
-from engines.protocol import Abort, Add, Health, HealthReply, Output
+from engines.protocol import Abort, AdapterCommand, Add, Health, HealthReply, Output
 
 log = logging.getLogger(__name__)
 
 
 class EngineEndpoint:
-    def __init__(self, address: str, on_message: Callable[[Add | Abort], None],
+    def __init__(self, address: str, on_message: Callable[[Add | Abort | AdapterCommand], None],
                  health: Callable[[], HealthReply], hwm: int = ipc.high_water_mark(1000, 32)):
         self._address = address
         self._on_message = on_message
@@ -93,7 +93,7 @@ class EngineEndpoint:
             reply = msgspec.structs.replace(self._health(), nonce=msg.nonce)
             self._outbox.put([identity, protocol.encode(reply)])
             return
-        if isinstance(msg, Add):
+        if isinstance(msg, (Add, AdapterCommand)):
             self._owners[msg.request_id] = identity
         else:  # Abort: nobody waits for its outputs any more
             self._owners.pop(msg.request_id, None)
@@ -105,7 +105,7 @@ class EngineEndpoint:
             identity = self._owners.get(out.request_id)
             if identity is None:
                 continue  # aborted: nobody is waiting
-            if out.finished:
+            if not isinstance(out, Output) or out.finished:  # (an AdapterReply is the only one)
                 del self._owners[out.request_id]
             self._outbox.put([identity, frame])
 

@@ -1,7 +1,7 @@
 """Messages between the HTTP workers and the engine (ZeroMQ frames, msgpack via msgspec).
 
-    worker ──ADD / ABORT / HEALTH──►  engine (ROUTER)
-    worker ◄──OUTPUT / HEALTH_REPLY── engine
+    worker ──ADD / ABORT / HEALTH / ADAPTER_COMMAND──►  engine (ROUTER)
+    worker ◄──OUTPUT / HEALTH_REPLY / ADAPTER_REPLY───  engine
 
 Each worker process holds one DEALER socket; the engine replies to the socket a request came from.
 Token ids travel once (in ADD); outputs carry only the new token ids of each step.
@@ -43,6 +43,44 @@ class Health(msgspec.Struct, tag="health", frozen=True):
     nonce: int = 0
 
 
+class AdapterCommand(msgspec.Struct, tag="adapter_command", frozen=True):
+    """Register (path: its local PEFT directory; src: where the caller said it is) or unregister a LoRA
+    adapter at run time; answered with one AdapterReply carrying the same request id."""
+
+    request_id: str
+    action: str  # ADAPTER_REGISTER | ADAPTER_UNREGISTER
+    name: str
+    path: str = ""
+    src: str = ""
+    pin: bool = False
+
+
+ADAPTER_REGISTER = "register"
+ADAPTER_UNREGISTER = "unregister"
+
+
+class AdapterReply(msgspec.Struct, tag="adapter_reply", frozen=True):
+    request_id: str
+    status: int  # an HTTP status: 200, 400 (cannot be served), 404 (no such adapter)
+    message: str
+
+
+class AdapterInfo(msgspec.Struct, frozen=True):
+    """A LoRA adapter the engine serves, as /v1/models, the adapter routes and /metrics show it."""
+
+    name: str
+    src: str
+    rank: int
+    slot: int = 0  # its device slot while resident (0: not on the device)
+    pinned: bool = False
+    unregistering: bool = False  # waiting for its requests to end before it goes
+    num_running: int = 0
+    num_waiting: int = 0
+    requests: int = 0  # finished requests
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+
+
 class HealthReply(msgspec.Struct, tag="health_reply", frozen=True):
     state: str
     nonce: int = 0
@@ -53,6 +91,7 @@ class HealthReply(msgspec.Struct, tag="health_reply", frozen=True):
     num_kv_slots: int = 0  # rolling engines: KV token slots held by the running batch
     metrics: dict[str, float] = {}  # engine gauges and counters for /metrics
     startup: dict[str, float] = {}  # start-up phase → seconds (engines/startup.py)
+    adapters: list[AdapterInfo] = []  # option.enable_lora: the adapters served now
 
 
 class Output(msgspec.Struct, tag="output", frozen=True):
@@ -75,8 +114,8 @@ class Output(msgspec.Struct, tag="output", frozen=True):
     prompt_top_tokens: list[list[tuple[int, float]]] | None = None
 
 
-ToEngine = Add | Abort | Health
-FromEngine = Output | HealthReply
+ToEngine = Add | Abort | Health | AdapterCommand
+FromEngine = Output | HealthReply | AdapterReply
 
 _encoder = msgspec.msgpack.Encoder()
 _to_engine = msgspec.msgpack.Decoder(ToEngine)

@@ -24,10 +24,10 @@ import msgspec
 from flask import Flask, Response, g, request
 from werkzeug.exceptions import HTTPException
 
-from engines.config import ENGINE_DYNAMIC, LmiConfig, lora_adapter_names
+from engines.config import ENGINE_DYNAMIC, LmiConfig
 from engines.models.spec import ModelSpec
 from engines.ipc import high_water_mark
-from engines.protocol import STATE_READY, draining_path, engine_socket_path, read_failure, write_failure
+from engines.protocol import STATE_READY, AdapterInfo, draining_path, engine_socket_path, read_failure, write_failure
 from handlers.engine_client import EngineClient
 from handlers.errors import HttpError, bad_request
 from handlers.formatters import JSONLINES, SSE, collect, response_body, stream_lines
@@ -35,6 +35,7 @@ from handlers.generation import ClientGone, Generation, client_gone
 from handlers.metrics import render as render_metrics
 from handlers.request_metrics import REQUEST_METRICS
 from handlers.chat_template import ChatTemplate
+from handlers.adapter_routes import register as register_adapters
 from handlers.openai_routes import djl_chat
 from handlers.openai_routes import register as register_openai
 from handlers.tgi_routes import TGI_PATHS, register as register_tgi
@@ -63,11 +64,17 @@ class Service:
         self.max_model_len = ModelSpec.of(config.model).max_model_len
         self.is_dynamic = config.scheduler.engine_kind == ENGINE_DYNAMIC
         self.limits = RequestLimits(config.server.max_inputs_per_request, config.server.max_input_chars)
-        # option.enable_lora: the adapters the engine loads (the same listing), for the OpenAI routes' `model`
-        self.adapters = lora_adapter_names(os.path.join(config.model.local_dir, "adapters")) \
-            if config.model.enable_lora else []
         self.engine_ready = False
         self._drain_deadline: float | None = None
+
+    def adapter_infos(self, fresh: bool = False) -> list[AdapterInfo]:
+        """option.enable_lora: the adapters the engine serves (fresh: asked now, not the snapshot)."""
+        if not self.config.model.enable_lora:
+            return []
+        reply = self.client.health(PING_TIMEOUT_S, max_age=0 if fresh else PING_SNAPSHOT_AGE_S)
+        if reply is None:
+            raise HttpError(503, "the engine is not responding")
+        return list(reply.adapters)
 
     def engine_dead(self) -> str | None:
         """Why the engine died, once the engine itself (a fatal step) or the launcher has said so."""
@@ -300,7 +307,8 @@ def build_app(service: Service) -> Flask:
         finally:
             for gen in gens:  # a failure in one input aborts the others
                 gen.close()
-        log.info("[%s] %d input(s), %s tokens", g.log_id, len(gens), [gen.num_generated_tokens for gen in gens])
+        log.info("[%s] %d input(s), %s tokens%s", g.log_id, len(gens), [gen.num_generated_tokens for gen in gens],
+                 f", LoRA adapters {list(req.adapters)}" if req.adapters else "")
         return _json(bodies if service.is_dynamic or req.is_list else bodies[0], 200)
 
     def _parse(raw, content_type: str | None, parse):
@@ -316,6 +324,7 @@ def build_app(service: Service) -> Flask:
         app, service, lambda: read_body(request.environ, request.content_length, max_body), _json)
     tgi_compat = register_tgi(app, service, lambda: read_body(request.environ, request.content_length, max_body),
                               _json)
+    register_adapters(app, service, lambda: read_body(request.environ, request.content_length, max_body), _json)
 
     def _stream(gen: Generation, req: GenerationRequest, deadline: float, is_gone) -> Response:
         """The status line waits for the first token: a request refused before it gets its real status."""

@@ -20,7 +20,7 @@ import time
 import zmq
 
 from engines import ipc, protocol
-from engines.protocol import Abort, Add, Health, HealthReply, Output
+from engines.protocol import Abort, AdapterCommand, AdapterReply, Add, Health, HealthReply, Output
 
 HEALTH_REFRESH_S = 0.5
 
@@ -48,8 +48,8 @@ class EngineClient:
         self._thread.start()
 
     # -- request side -------------------------------------------------------------------------
-    def add(self, request: Add) -> "queue.SimpleQueue[Output]":
-        """Send a request; its outputs arrive on the returned queue."""
+    def add(self, request: Add | AdapterCommand) -> "queue.SimpleQueue[Output]":
+        """Send a request; its outputs (or its reply) arrive on the returned queue."""
         q: queue.SimpleQueue = queue.SimpleQueue()
         with self._lock:
             if request.request_id in self._streams:
@@ -57,6 +57,16 @@ class EngineClient:
             self._streams[request.request_id] = q
         self._send(request)
         return q
+
+    def command(self, msg: AdapterCommand, timeout: float) -> AdapterReply | None:
+        """Send an adapter command and wait for its reply; None when none comes within `timeout` s."""
+        q = self.add(msg)
+        try:
+            return q.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        finally:
+            self.release(msg.request_id)
 
     def abort(self, request_id: str) -> None:
         self.release(request_id)
@@ -126,7 +136,7 @@ class EngineClient:
                 q = self._health_waiters.get(msg.nonce)
             else:
                 q = self._streams.get(msg.request_id)
-                if q is not None and msg.finished:
+                if q is not None and (not isinstance(msg, Output) or msg.finished):
                     del self._streams[msg.request_id]
         if q is not None:
             q.put(msg)

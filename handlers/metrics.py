@@ -47,11 +47,34 @@ class _EngineCollector:
         for phase, seconds in r.startup.items():
             phases.add_metric([phase], seconds)
         yield phases
+        yield from _adapter_families(r.adapters)
         for key, value in r.metrics.items():
             if key in ENGINE_METRICS:
                 name, doc, is_counter = ENGINE_METRICS[key]
                 family = CounterMetricFamily if is_counter else GaugeMetricFamily
                 yield family(name, doc, value=value)
+
+
+# LoRA adapter → (Prometheus name, help, is a counter, its AdapterInfo field)
+ADAPTER_METRICS = (
+    ("lmi_lora_requests", "finished requests per LoRA adapter", True, "requests"),
+    ("lmi_lora_prompt_tokens", "prompt tokens of finished requests per LoRA adapter", True, "prompt_tokens"),
+    ("lmi_lora_generated_tokens", "tokens generated for finished requests per LoRA adapter", True, "generated_tokens"),
+    ("lmi_lora_requests_running", "requests running per LoRA adapter", False, "num_running"),
+    ("lmi_lora_requests_waiting", "requests waiting per LoRA adapter", False, "num_waiting"),
+    ("lmi_lora_resident", "1 while the LoRA adapter is in a device slot", False, "slot"),
+)
+
+
+def _adapter_families(adapters):
+    if not adapters:
+        return
+    for name, doc, is_counter, field in ADAPTER_METRICS:
+        family = (CounterMetricFamily if is_counter else GaugeMetricFamily)(name, doc, labels=["adapter"])
+        for a in adapters:
+            value = getattr(a, field)
+            family.add_metric([a.name], float(bool(value)) if field == "slot" else value)
+        yield family
 
 
 class _Families:

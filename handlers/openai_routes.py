@@ -30,8 +30,8 @@ def register(app: Flask, service, read_body: Callable[[], bytes], to_json: Calla
     def models():
         created = int(service.started_at)
         data = [{"id": model_name, "object": "model", "created": created, "owned_by": "lmi-serve", "root": model_name}]
-        data += [{"id": name, "object": "model", "created": created, "owned_by": "lmi-serve", "root": model_name,
-                  "parent": model_name} for name in service.adapters]  # LoRA adapters, as vLLM lists them
+        data += [{"id": a.name, "object": "model", "created": created, "owned_by": "lmi-serve", "root": a.src,
+                  "parent": model_name} for a in service.adapter_infos(fresh=True)]  # LoRA adapters, as vLLM lists them
         return to_json({"object": "list", "data": data}, 200)
 
     @app.post("/v1/chat/completions")
@@ -66,11 +66,7 @@ def register(app: Flask, service, read_body: Callable[[], bytes], to_json: Calla
         return [(service.tokenizer.encode(text, add_special_tokens=False), text)]
 
     def _run(kind: str, req: OpenAIRequest, prompts: list[tuple[list[int], str]], sse: bool) -> Response:
-        adapter = req.model if req.model in service.adapters else None  # `model` naming a LoRA adapter
-        if req.model is not None and req.model != model_name and adapter is None and request.path.startswith("/v1/"):
-            served = ", ".join(f"`{n}`" for n in [model_name] + service.adapters)
-            raise HttpError(404, f"The model `{req.model}` does not exist; this server serves {served}",
-                            param="model", openai_code="model_not_found")
+        adapter = _adapter(req.model)
         if req.user:
             log.info("[%s] user=%r", g.log_id, req.user)
         service.require_ready()
@@ -91,9 +87,25 @@ def register(app: Flask, service, read_body: Callable[[], bytes], to_json: Calla
         finally:
             for gen in gens:
                 gen.close()
-        log.info("[%s] %s: %d choice(s), %s tokens", g.log_id, kind, len(gens),
-                 [gen.num_generated_tokens for gen in gens])
+        log.info("[%s] %s: %d choice(s), %s tokens%s", g.log_id, kind, len(gens),
+                 [gen.num_generated_tokens for gen in gens], f", LoRA adapter {adapter}" if adapter else "")
         return to_json(response(kind, req, gens, tokens, adapter or model_name, decode), 200)
+
+    def _adapter(model: str | None) -> str | None:
+        """`model` naming a LoRA adapter (vLLM's convention) → its name; the base model (or, off the /v1
+        routes, a name the server does not know) → None; on /v1 an unknown name is a 404."""
+        if model is None or model == model_name:
+            return None
+        names = [a.name for a in service.adapter_infos()]
+        if model not in names and service.config.model.enable_lora:
+            names = [a.name for a in service.adapter_infos(fresh=True)]  # registered a moment ago?
+        if model in names:
+            return model
+        if request.path.startswith("/v1/"):
+            served = ", ".join(f"`{n}`" for n in [model_name] + names)
+            raise HttpError(404, f"The model `{model}` does not exist; this server serves {served}",
+                            param="model", openai_code="model_not_found")
+        return None
 
     def _stream(lines, mimetype: str) -> Response:
         try:

@@ -22,7 +22,10 @@ ADAPTERS = {  # name → LoraConfig arguments
     "attn-r4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"]),
     "mlp-r8-rs": dict(r=8, lora_alpha=4, target_modules=["gate_proj", "up_proj", "down_proj", "k_proj"],
                       use_rslora=True),
+    "all-r2": dict(r=2, lora_alpha=6, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                      "down_proj"]),
 }
+IN_MODEL_DIR = ("attn-r4", "mlp-r8-rs")  # under MODEL_DIR/adapters; all-r2 comes from elsewhere
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +54,7 @@ def _peft_delta(model, layer: int, module: str, x: torch.Tensor) -> torch.Tensor
 
 def test_a_mixed_batch_gets_each_rows_adapter_delta_as_peft_computes_it(tiny_model, adapters):
     model = local_engine(tiny_model, "paged").runner.model
-    banks = LoraBanks(model, max_loras=2, max_rank=8, dtype=torch.float32, device=torch.device("cpu"))
+    banks = LoraBanks(model, max_loras=3, max_rank=8, dtype=torch.float32, device=torch.device("cpu"))
     for slot, name in enumerate(ADAPTERS, start=1):
         adapter = read_peft_adapter(str(adapters[name][0]))
         assert adapter.name == name and adapter.rank == ADAPTERS[name]["r"]
@@ -59,8 +62,8 @@ def test_a_mixed_batch_gets_each_rows_adapter_delta_as_peft_computes_it(tiny_mod
     torch.manual_seed(0)
     hidden = model.layers[0].self_attn.qkv_proj.weight.shape[1]
     inter = model.layers[0].mlp.down_proj.weight.shape[1]
-    # rows 0-1 base, rows 2 and 4 "attn-r4", rows 3 and 5 "mlp-r8-rs"
-    slot_of_row = [0, 0, 1, 2, 1, 2]
+    # rows 0 and 2 base, rows 3 and 5 "attn-r4", rows 4 and 6 "mlp-r8-rs", rows 1 and 7 "all-r2"
+    slot_of_row = [0, 3, 0, 1, 2, 1, 2, 3]
     step = LoraStep()
     step.set(slot_of_row, len(slot_of_row), torch.device("cpu"))
     names = [None] + list(ADAPTERS)
@@ -68,7 +71,7 @@ def test_a_mixed_batch_gets_each_rows_adapter_delta_as_peft_computes_it(tiny_mod
         for ours, parts, width in (("qkv_proj", ["q_proj", "k_proj", "v_proj"], hidden), ("o_proj", ["o_proj"], hidden),
                                    ("gate_up_proj", ["gate_proj", "up_proj"], hidden),
                                    ("down_proj", ["down_proj"], inter)):
-            x = torch.randn(6, width)
+            x = torch.randn(len(slot_of_row), width)
             got = banks.banks[(layer, ours)].delta(x, step)
             for row, slot in enumerate(slot_of_row):
                 if slot == 0:
@@ -135,13 +138,13 @@ def test_adapters_it_cannot_serve_exactly_are_refused(adapters, tmp_path, tiny_m
 
 @pytest.fixture(scope="module")
 def lora_model(tiny_model, adapters, tmp_path_factory):
-    """The tiny model's directory with both adapters under adapters/<name> (as DJL LMI lays them out)."""
+    """The tiny model's directory with two adapters under adapters/<name> (as DJL LMI lays them out)."""
     import shutil
 
     d = tmp_path_factory.mktemp("lora-model") / "tiny-llama"
     shutil.copytree(tiny_model, d)
-    for name, (path, _) in adapters.items():
-        shutil.copytree(path, d / "adapters" / name)
+    for name in IN_MODEL_DIR:
+        shutil.copytree(adapters[name][0], d / "adapters" / name)
     return d
 
 
@@ -156,16 +159,46 @@ def _peft_greedy(peft_model, prompt: list[int], n: int) -> list[int]:
 PROMPTS = [[1] + [(5 * i + 7) % 900 + 3 for i in range(n)] for n in (6, 19, 33)]
 
 
-@pytest.mark.parametrize("sched", [{}, {"max_num_batched_tokens": 16}], ids=["whole-prompts", "chunked"])
-def test_a_batch_mixing_the_base_model_and_two_adapters_gives_peft_greedy_tokens(lora_model, adapters, hf, sched):
-    """Every prompt once per model (base, each adapter), joining mid-flight in one paged engine; the same
-    prompt under the base model and an adapter must not share prefix-cache blocks."""
+def _lora_options(adapters, max_loras: int) -> dict:
+    """option.enable_lora with the two adapters of the model dir and all-r2 from option.adapters."""
+    return {"enable_lora": True, "max_loras": max_loras, "max_lora_rank": 8, "max_cpu_loras": max_loras,
+            "adapters": {"all-r2": str(adapters["all-r2"][0])}}
+
+
+@pytest.mark.parametrize("kind,sched,max_loras", [
+    ("paged", {}, 3), ("paged", {"max_num_batched_tokens": 16}, 1), ("rolling", {}, 1),
+    ("paged", {"graphs": True}, 2), ("paged", {"cpu_compile": True}, 2)],
+    ids=["paged-whole-prompts", "paged-chunked-one-slot", "padded-one-slot", "paged-decode-graphs",
+         "paged-cpu-compile"])
+def test_a_batch_mixing_the_base_model_and_three_adapters_gives_peft_greedy_tokens(lora_model, adapters, hf, kind,
+                                                                                   sched, max_loras, monkeypatch):
+    """Every prompt once per model (base, each adapter), joining mid-flight in one engine; the same
+    prompt under the base model and an adapter must not share prefix-cache blocks. With one slot the
+    adapters take turns in it (least recently used out), each request keeping it while it runs. Decode
+    steps replayed over the static buffers (what a CUDA graph reads; on CPU run eagerly) or compiled
+    run the LoRA path's static form: every slot a segment of the bucket's size."""
     from engines.sampling_params import SamplingParams
     from tests.support import drive_engine, output_tokens
 
-    engine = local_engine(lora_model, "paged", lora={"enable_lora": True, "max_loras": 2, "max_lora_rank": 8},
-                          max_num_seqs=8, **sched)
-    assert engine.runner.lora.slots == {"attn-r4": 1, "mlp-r8-rs": 2}
+    sched = dict(sched)
+    if sched.pop("graphs", False):
+        from engines.worker import paged_runner
+        from engines.worker.paged_engine import PagedEngine
+        from engines.worker.step_buffers import StepBuffers
+
+        monkeypatch.setattr(PagedEngine, "_decode_mode", lambda self: (paged_runner.DECODE_GRAPHS, "test"))
+        monkeypatch.setattr(StepBuffers, "STAGE_ON_CPU", True)
+    engine = local_engine(lora_model, kind, lora=_lora_options(adapters, max_loras), max_num_seqs=8, **sched)
+    if kind == "paged":
+        assert engine.paged.target.decode_mode == ("graphs" if max_loras == 2 and not sched else
+                                                   "inductor" if sched.get("cpu_compile") else "eager")
+    assert engine.runner.lora.slots == dict(list({"attn-r4": 1, "mlp-r8-rs": 2, "all-r2": 3}.items())[:max_loras])
+    loads = []
+    activate = engine.runner.lora.activate
+    engine.runner.lora.activate = lambda slot, name: (loads.append((slot, name)), activate(slot, name))
+    if kind == "paged":
+        check = engine.scheduler.schedule
+        engine.scheduler.schedule = lambda *a: (engine.scheduler.check_invariants(), check(*a))[1]
     names = [None] + list(ADAPTERS)
     requests = [(f"{name}-{i}", p, SamplingParams(max_new_tokens=8), name)
                 for i, p in enumerate(PROMPTS) for name in names]
@@ -173,22 +206,74 @@ def test_a_batch_mixing_the_base_model_and_two_adapters_gives_peft_greedy_tokens
     for rid, prompt, _, name in requests:
         want = hf(prompt, 8) if name is None else _peft_greedy(adapters[name][1], prompt, 8)
         assert output_tokens(outs[rid]) == want, rid
-    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    if kind == "paged":
+        assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+        engine.scheduler.check_invariants()
+    assert not engine.adapters.slots.num_holders  # every slot given back
+    # placed at start: attn-r4, then mlp-r8-rs; the others had their turn in a slot after (the paged
+    # scheduler lets the requests of a resident adapter go first: each loaded once; the padded engine
+    # admits in order)
+    if max_loras == 3:
+        assert loads == []
+    elif max_loras == 2:
+        assert {n for _, n in loads} >= {"all-r2"}, loads
+    else:
+        assert {s for s, _ in loads} == {1} and {n for _, n in loads} >= {"mlp-r8-rs", "all-r2"}, loads
+        assert kind == "rolling" or len(loads) == 2, loads
 
 
-def test_an_unknown_adapter_is_a_404_naming_the_served_ones(lora_model):
-    from engines.protocol import Add
+def test_adapters_registered_and_unregistered_at_run_time_between_steps(lora_model, adapters, hf):
+    """An adapter registered while requests run serves the next step; one asked to go while a request
+    uses it goes (and the caller hears so) only after that request ends, new requests for it refused
+    meanwhile; bad registrations are a 400 naming the problem, unknown names a 404."""
+    from engines.protocol import ADAPTER_REGISTER, ADAPTER_UNREGISTER, AdapterCommand, AdapterReply, Add
     from engines.sampling_params import SamplingParams
 
-    engine = local_engine(lora_model, "paged", lora={"enable_lora": True, "max_loras": 2, "max_lora_rank": 8})
-    outs = []
-    engine._publish = outs.extend
-    engine.add(Add("r", [1, 5, 6], SamplingParams(max_new_tokens=2), "nope"))
-    assert outs[0].error_code == 404 and outs[0].error == ("no LoRA adapter named 'nope'; this server serves: attn-r4, "
-                                                           "mlp-r8-rs")
-    with pytest.raises(ValueError, match="2 LoRA adapters under .* and option.max_loras=1: every adapter stays "
-                                         "resident; raise option.max_loras"):
-        local_engine(lora_model, "paged", lora={"enable_lora": True, "max_loras": 1, "max_lora_rank": 8})
+    engine = local_engine(lora_model, "paged", lora={"enable_lora": True, "max_loras": 1, "max_lora_rank": 8,
+                                                     "max_cpu_loras": 1}, max_num_seqs=8)
+    sent = []
+    engine._publish = sent.extend
+    replies = lambda: {o.request_id: (o.status, o.message) for o in sent if isinstance(o, AdapterReply)}  # noqa: E731
+    prompt, params = PROMPTS[1], SamplingParams(max_new_tokens=8)
+    engine.add(Add("base", prompt, params))
+    engine.add(Add("a", prompt, params, "attn-r4"))
+    engine.step()
+    engine.command(AdapterCommand("reg", ADAPTER_REGISTER, "all-r2", str(adapters["all-r2"][0])))
+    assert replies()["reg"] == (200, "Adapter all-r2 registered")
+    engine.add(Add("new", prompt, params, "all-r2"))
+    engine.command(AdapterCommand("unreg", ADAPTER_UNREGISTER, "attn-r4"))
+    assert "unreg" not in replies()  # "a" still uses it
+    engine.add(Add("late", prompt, params, "attn-r4"))
+    engine.command(AdapterCommand("dup", ADAPTER_REGISTER, "all-r2", str(adapters["all-r2"][0])))
+    engine.command(AdapterCommand("missing", ADAPTER_REGISTER, "gone", "/nonexistent/adapter"))
+    engine.command(AdapterCommand("pin", ADAPTER_REGISTER, "pinned", str(adapters["mlp-r8-rs"][0]), pin=True))
+    engine.command(AdapterCommand("unknown", ADAPTER_UNREGISTER, "nope"))
+    got = replies()
+    assert got["dup"][0] == 400 and "already registered" in got["dup"][1]
+    assert got["missing"][0] == 400 and got["missing"][1].startswith("LoRA adapter 'gone' from /nonexistent/adapter "
+                                                                      "cannot be served")
+    assert got["pin"] == (400, "cannot pin 'pinned': every one of the 1 LoRA slots is held (option.max_loras)")
+    assert got["unknown"] == (404, "no LoRA adapter named 'nope'; this server serves: attn-r4, mlp-r8-rs, all-r2")
+    while engine.has_work():
+        engine.step()
+        engine.scheduler.check_invariants()
+    order = [o.request_id if not isinstance(o, AdapterReply) else o.request_id for o in sent
+             if isinstance(o, AdapterReply) or o.finished]
+    assert order.index("a") < order.index("unreg"), order
+    assert replies()["unreg"] == (200, "Adapter attn-r4 unregistered")
+    outs = {}
+    for o in sent:
+        if not isinstance(o, AdapterReply):
+            outs.setdefault(o.request_id, []).append(o)
+    late = outs["late"][0]
+    assert (late.error_code, late.error) == (404, "LoRA adapter 'attn-r4' is being unregistered")
+    tokens = {rid: [t for o in outs[rid] for t in o.token_ids] for rid in ("base", "a", "new")}
+    assert tokens == {"base": hf(prompt, 8), "a": _peft_greedy(adapters["attn-r4"][1], prompt, 8),
+                      "new": _peft_greedy(adapters["all-r2"][1], prompt, 8)}
+    assert [a.name for a in engine.measure().adapters] == ["mlp-r8-rs", "all-r2"]
+    assert "attn-r4" not in engine.runner.lora.sources and engine.runner.lora.slots == {"all-r2": 1}
+    info = {a.name: a for a in engine.measure().adapters}["all-r2"]
+    assert (info.requests, info.prompt_tokens, info.generated_tokens, info.slot) == (1, len(prompt), 8, 1)
 
 
 def test_the_server_serves_adapters_by_lmi_and_tgi_names(start_server, lora_model, adapters, hf):
@@ -225,15 +310,121 @@ def test_the_server_serves_adapters_by_lmi_and_tgi_names(start_server, lora_mode
         client.completions.create(model="nope", prompt="Hi", max_tokens=2)
 
 
-def test_tensor_parallel_2_gives_peft_greedy_tokens(lora_model, adapters, hf, tmp_path):
+@pytest.mark.parametrize("kind", ["paged", "rolling"])
+def test_tensor_parallel_2_gives_peft_greedy_tokens(lora_model, adapters, hf, tmp_path, kind):
     """Under mpirun -np 2: each rank's banks hold its shards (q heads, the KV heads it keeps, its gate/up
-    rows, its o/down input columns), base and adapter rows in one batch."""
+    rows, its o/down input columns), base and adapter rows in one batch; a third adapter registered at
+    run time on both ranks, the three taking turns in two slots."""
     from tests.support import run_tp2_job
 
-    names = [None, "attn-r4", "mlp-r8-rs", "attn-r4"]
-    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[1], PROMPTS[2]]
-    got = run_tp2_job(tmp_path, {"prompts": prompts, "new_tokens": 8, "adapters": names,
-                                 "lora": {"enable_lora": True, "max_loras": 2, "max_lora_rank": 8}}, [str(lora_model)])
+    names = [None, "attn-r4", "mlp-r8-rs", "all-r2", "attn-r4", "all-r2"]
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[1], PROMPTS[2], PROMPTS[2], PROMPTS[0]]
+    got = run_tp2_job(tmp_path, {"prompts": prompts, "new_tokens": 8, "adapters": names, "engine": kind,
+                                 "register": {"all-r2": str(adapters["all-r2"][0])},
+                                 "lora": {"enable_lora": True, "max_loras": 2, "max_lora_rank": 8, "max_cpu_loras": 2}},
+                      [str(lora_model)])
     for i, (prompt, name) in enumerate(zip(prompts, names)):
         want = hf(prompt, 8) if name is None else _peft_greedy(adapters[name][1], prompt, 8)
         assert got[str(lora_model)][i] == want, (i, name)
+
+
+def test_adapters_registered_at_run_time_while_traffic_flows(start_server, lora_model, adapters, hf):
+    """A real server under traffic (base and attn-r4 requests, checked token for token) while all-r2
+    is registered through DJL's route and mlp-r8-rs again as "mlp-copy" through vLLM's: both serve
+    through every convention at once, are listed, and are counted per adapter on /metrics.
+    Unregistering mlp-copy while a long request uses it answers only after that request ended, new
+    requests for it refused meanwhile. No request is lost or answered wrongly."""
+    import threading
+    import time
+    from collections import Counter
+
+    import openai
+    import requests
+
+    server = start_server("option.rolling_batch=lmi-dist\noption.dtype=fp32\noption.enable_lora=true\n"
+                          "option.max_loras=2\noption.max_lora_rank=8\n", lora_model)
+    text = "The river ran"
+    ids = hf.tokenizer(text)["input_ids"]
+    want = {None: hf(ids, 6), **{name: _peft_greedy(model, ids, 6) for name, (_, model) in adapters.items()}}
+    stop, failures, counts = threading.Event(), [], Counter()
+
+    def traffic(adapter):
+        while not stop.is_set():
+            body = {"inputs": text, "parameters": {"max_new_tokens": 6, "details": True}}
+            resp = server.post(body if adapter is None else {**body, "adapters": adapter})
+            if resp.status_code != 200 or [t["id"] for t in resp.json()["details"]["tokens"]] != want[adapter]:
+                failures.append((adapter, resp.status_code, resp.text[:300]))
+            counts[adapter] += 1
+
+    def wait_for(condition, what: str, timeout: float = 60.0):
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.02)
+
+    threads = [threading.Thread(target=traffic, args=(a,)) for a in (None, "attn-r4")]
+    for t in threads:
+        t.start()
+    try:
+        wait_for(lambda: min(counts[None], counts["attn-r4"]) >= 2, "traffic")
+        resp = requests.post(server.url + "/models/tiny-llama/adapters",
+                             params={"name": "all-r2", "src": str(adapters["all-r2"][0])}, timeout=60)
+        assert (resp.status_code, resp.json()) == (200, {"status": "Adapter all-r2 registered"})
+        resp = requests.post(server.url + "/v1/load_lora_adapter", timeout=60,
+                             json={"lora_name": "mlp-copy", "lora_path": str(adapters["mlp-r8-rs"][0])})
+        assert (resp.status_code, resp.text) == (200, "Success: LoRA adapter 'mlp-copy' added successfully.")
+        tgi = server.post({"inputs": text, "parameters": {"adapter_id": "all-r2", "max_new_tokens": 6, "details": True}},
+                          path="/generate").json()
+        assert [t["id"] for t in tgi["details"]["tokens"]] == want["all-r2"]
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+        done = client.completions.create(model="mlp-copy", prompt=text, max_tokens=6, temperature=0)
+        assert done.choices[0].text == hf.decode(want["mlp-r8-rs"])
+        assert [m.id for m in client.models.list().data] == ["tiny-llama", "attn-r4", "mlp-r8-rs", "all-r2", "mlp-copy"]
+        listed = requests.get(server.url + "/models/tiny-llama/adapters", timeout=10).json()["adapters"]
+        assert [(a["name"], a["src"], a["rank"]) for a in listed] == [
+            ("attn-r4", str(lora_model / "adapters" / "attn-r4"), 4), ("mlp-r8-rs", str(lora_model / "adapters" /
+                                                                                     "mlp-r8-rs"), 8),
+            ("all-r2", str(adapters["all-r2"][0]), 2), ("mlp-copy", str(adapters["mlp-r8-rs"][0]), 8)]
+        # refusals: a name taken, another model, a source that is not there
+        resp = requests.post(server.url + "/adapters", params={"name": "all-r2", "src": str(adapters["all-r2"][0])})
+        assert resp.status_code == 400 and "a LoRA adapter named 'all-r2' is already registered" in resp.json()["error"]
+        resp = requests.get(server.url + "/models/other/adapters")
+        assert (resp.status_code, resp.json()["error"]) == (404, "Model or workflow not found: other")
+        resp = requests.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/no/such"})
+        assert resp.status_code == 400 and resp.json()["error"]["message"] == \
+            "LoRA adapter 'x': model directory /no/such does not exist."
+
+        # unregistering an adapter in use waits for its request
+        stream = requests.post(server.url + "/invocations", stream=True, timeout=120, json={
+            "inputs": text, "adapters": "mlp-copy", "stream": True,
+            "parameters": {"max_new_tokens": 800, "ignore_eos": True}})
+        assert stream.status_code == 200
+        lines = stream.iter_lines()
+        tokens = [json.loads(next(lines))["token"]["id"]]  # it runs, holding its slot
+        gone = {}
+        deleting = threading.Thread(target=lambda: gone.update(resp=requests.delete(
+            server.url + "/models/tiny-llama/adapters/mlp-copy", timeout=120)))
+        deleting.start()
+        described = lambda: requests.get(server.url + "/adapters/mlp-copy", timeout=10).json()  # noqa: E731
+        wait_for(lambda: described()["unregistering"], "the engine to take the unregistration")
+        refused = server.post({"inputs": text, "adapters": "mlp-copy"})
+        assert (refused.status_code, refused.json()["error"]) == (404, "LoRA adapter 'mlp-copy' is being unregistered")
+        tokens += [json.loads(next(lines))["token"]["id"] for _ in range(5)]
+        assert deleting.is_alive()  # 794 tokens still to come: it waits for them
+        tokens += [json.loads(line)["token"]["id"] for line in lines if line]
+        deleting.join(timeout=120)
+        assert len(tokens) == 800 and tokens[:len(want["mlp-r8-rs"])] == want["mlp-r8-rs"]
+        assert (gone["resp"].status_code, gone["resp"].json()) == (200, {"status": "Adapter mlp-copy unregistered"})
+        assert [m.id for m in client.models.list().data] == ["tiny-llama", "attn-r4", "mlp-r8-rs", "all-r2"]
+        resp = requests.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "all-r2"}, timeout=60)
+        assert (resp.status_code, resp.text) == (200, "Success: LoRA adapter 'all-r2' removed successfully.")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=120)
+    assert not failures, failures[:3]
+    metrics = requests.get(server.url + "/metrics", timeout=10).text
+    assert f'lmi_lora_requests_total{{adapter="attn-r4"}} {float(counts["attn-r4"])}' in metrics
+    assert f'lmi_lora_generated_tokens_total{{adapter="attn-r4"}} {float(6 * counts["attn-r4"])}' in metrics
+    assert 'lmi_lora_requests_total{adapter="all-r2"}' not in metrics  # unregistered
+    assert "LoRA adapter all-r2 registered (r=2, from " in server.log()

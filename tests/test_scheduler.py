@@ -443,3 +443,51 @@ def test_random_scenarios_keep_budgets_blocks_and_tokens(scenario):
                 assert r.output_token_ids == want
         if FINISH_ABORT not in (got[spec.request_id].finish_reason, reference[spec.request_id].finish_reason):
             assert got[spec.request_id].output_token_ids == reference[spec.request_id].output_token_ids
+
+
+def test_lora_slots_go_to_a_free_slot_then_to_the_least_recently_used_idle_adapter():
+    from collections import Counter
+
+    from engines.core.lora_slots import LoraSlots
+
+    slots = LoraSlots(2)
+    assert slots.acquire("a") == (1, True) and slots.acquire("b") == (2, True)
+    assert slots.acquire("a") == (1, False)  # resident: nothing to load
+    assert not slots.can_acquire("c")  # both held
+    slots.release("b")
+    slots.release("a")
+    slots.release("a")  # a released last: b is the least recently used
+    assert slots.acquire("c") == (2, True) and "b" not in slots.slot_of
+    slots.check_invariants(Counter({"c": 1}))
+    assert slots.pin("a") == (1, False)
+    assert not slots.can_acquire("d")  # a pinned, c held
+    slots.release("c")
+    assert slots.forget("a") == 1 and slots.acquire("d") == (1, True)
+    slots.check_invariants(Counter({"d": 1}))
+    with pytest.raises(AssertionError, match="released more often"):
+        slots.release("c")
+
+
+def test_a_request_whose_adapter_has_no_slot_waits_while_those_behind_it_go_on():
+    """One LoRA slot: A's requests run together (A loaded once), B's waits until the last of them ends,
+    the base model's never waits; a preempted request gives its slot back."""
+    from engines.core.lora_slots import LoraSlots
+    from engines.core.plan import LoraLoad
+
+    bm = BlockManager(64, 4, True)
+    sched, runner = Scheduler(8, 64, bm, 256, 1, LoraSlots(1)), FakeRunner(bm)
+    reqs = [request("a1", 5, max_new=3), request("b1", 5, max_new=3), request("base", 5, max_new=3),
+            request("a2", [50 + i for i in range(6)], max_new=5)]  # (no prefix shared with a1)
+    for r, name in zip(reqs, ["A", "B", None, "A"]):
+        r.lora_name = name
+        sched.add(r)
+    plan, _ = step(sched, runner)
+    assert plan.lora_loads == [LoraLoad(1, "A")] and set(plan.num_scheduled_tokens) == {"a1", "base", "a2"}
+    assert [r.request_id for r in sched.waiting] == ["b1"]
+    while "b1" not in plan.num_scheduled_tokens:
+        plan, _ = step(sched, runner)
+        assert not plan.lora_loads or "b1" in plan.num_scheduled_tokens
+    assert plan.lora_loads == [LoraLoad(1, "B")] and reqs[3].is_finished  # B's turn after A's last request
+    drain(sched, runner)
+    assert reqs[1].output_token_ids == expected_tokens("b1", 5, 3, True, 256)
+    assert sched.lora_slots.slot_of == {"B": 1} and not sched.lora_slots.num_holders

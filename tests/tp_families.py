@@ -1,8 +1,9 @@
-"""Run under `mpirun -np 2`: the paged engine at TP=2 on each model directory given, in turn, and
+"""Run under `mpirun -np 2`: the paged engine (or the job's "engine") at TP=2 on each model directory given, in turn, and
 rank 0 writes each one's greedy tokens to a JSON file (tests/test_families.py compares them with
 transformers' `generate`). One mpirun for every family: each model's ranks load, serve the
 prompts and stop, then the next model loads. The job's optional "quantize" is option.quantize; its
-optional "lora" holds ModelConfig's LoRA fields, and "adapters" each prompt's adapter (null: the base).
+optional "lora" holds ModelConfig's LoRA fields, "register" adapters (name → directory) registered at run
+time before the prompts, and "adapters" each prompt's adapter (null: the base).
 
     python -m tests.tp_families OUT.json PROMPTS.json DIR [DIR ...]
 """
@@ -17,9 +18,11 @@ import sys
 def main(out_path: str, prompts_path: str, model_dirs: list[str]) -> None:
     from engines.config import ENGINE_PAGED, LmiConfig, ModelConfig, SchedulerConfig
     from engines.dist import make_communicator, rank_info
+    from engines.protocol import ADAPTER_REGISTER, AdapterCommand
     from engines.sampling_params import SamplingParams
     from engines.serve import run_shard
     from engines.worker.paged_engine import PagedEngine
+    from engines.worker.rolling_engine import RollingEngine
     from tests.support import drive_engine, output_tokens
 
     comm = make_communicator(rank_info(os.environ))
@@ -29,12 +32,16 @@ def main(out_path: str, prompts_path: str, model_dirs: list[str]) -> None:
     for model_dir in model_dirs:
         config = LmiConfig(model=ModelConfig(local_dir=model_dir, dtype="fp32", quantize=job.get("quantize"),
                                              **job.get("lora", {})),
-                           scheduler=SchedulerConfig(engine_kind=ENGINE_PAGED, kv_cache_memory="4MiB", max_num_seqs=4))
+                           scheduler=SchedulerConfig(engine_kind=job.get("engine", ENGINE_PAGED), kv_cache_memory="4MiB",
+                                                     max_num_seqs=4))
         if comm.rank:
             run_shard(config, comm)  # returns when rank 0 stops the ranks
             continue
-        engine = PagedEngine(config, lambda outs: None, comm)
+        engine = (PagedEngine if config.scheduler.engine_kind == ENGINE_PAGED else RollingEngine)(
+            config, lambda outs: None, comm)
         engine.load()
+        for name, path in job.get("register", {}).items():
+            engine.command(AdapterCommand(f"register-{name}", ADAPTER_REGISTER, name, path))
         params = SamplingParams(max_new_tokens=job["new_tokens"])
         adapters = job.get("adapters") or [None] * len(job["prompts"])
         outputs = drive_engine(engine, [(f"r{i}", p, params, a)

@@ -8,13 +8,15 @@ A request is admitted, first come first served, while
   padded cache will hold over the batch's lifetime, projected from each row's current length and
   remaining tokens: at future step t the cache holds rows(t) × width(t), where rows(t) counts the
   rows still running and width(t) is the longest of them (length now + t), padding included.
-The queue stays in order: when the head does not fit, nobody behind it jumps ahead.
+The queue stays in order: when the head does not fit, nobody behind it jumps ahead (also when
+`take` refuses it: the LoRA slot its adapter needs is held by other adapters' rows).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 from engines.core.request import Request
 
@@ -40,8 +42,10 @@ def fits_alone(request: Request, limits: AdmissionLimits) -> bool:
     return peak_slots([(request.num_prompt_tokens, request.sampling.max_new_tokens)]) <= limits.max_kv_tokens
 
 
-def admit(waiting: deque[Request], running: list[Request], limits: AdmissionLimits) -> list[Request]:
-    """Pop and return the waiting requests that join the batch now."""
+def admit(waiting: deque[Request], running: list[Request], limits: AdmissionLimits,
+          take: Callable[[Request], bool] | None = None) -> list[Request]:
+    """Pop and return the waiting requests that join the batch now; `take` (called last, for the head
+    about to join) may refuse it."""
     rows = [(r.num_tokens, r.num_remaining_tokens) for r in running]
     admitted: list[Request] = []
     budget = limits.max_num_batched_tokens
@@ -50,7 +54,7 @@ def admit(waiting: deque[Request], running: list[Request], limits: AdmissionLimi
         if admitted and head.num_prompt_tokens > budget:
             break
         candidate = rows + [(head.num_prompt_tokens, head.sampling.max_new_tokens)]
-        if peak_slots(candidate) > limits.max_kv_tokens:
+        if peak_slots(candidate) > limits.max_kv_tokens or take is not None and not take(head):
             break
         rows = candidate
         budget -= head.num_prompt_tokens

@@ -11,6 +11,7 @@ scheduler (tensor parallelism; it crosses to them as one msgpack message):
                       tokens among them (speculative decoding)
     preempted_ids     drop their state: they come back as new
     finished_ids      finished or aborted since the last plan
+    lora_loads        LoRA adapters to load into device slots before the step (option.max_loras)
     num_steps         > 1: a multi-step decode, every scheduled request computing one token a step
 """
 
@@ -44,6 +45,11 @@ class ScheduledSeq(msgspec.Struct):
     spec_token_ids: list[int] = []  # the proposed tokens (the last k of num_tokens) to verify
 
 
+class LoraLoad(msgspec.Struct):
+    slot: int
+    name: str
+
+
 class StepPlan(msgspec.Struct):
     plan_id: int = 0
     scheduled: list[ScheduledSeq] = []
@@ -52,6 +58,7 @@ class StepPlan(msgspec.Struct):
     preempted_ids: list[str] = []
     finished_ids: list[str] = []
     num_steps: int = 1
+    lora_loads: list[LoraLoad] = []
 
     def add(self, request_id: str, num_tokens: int, spec_token_ids: list[int] | None = None) -> None:
         self.scheduled.append(ScheduledSeq(request_id, num_tokens, spec_token_ids or []))

@@ -57,6 +57,7 @@ class Request:
         self.spec_token_ids: list[int] = []
         # async scheduling: the last plan that scheduled it, whose results update() has not applied yet
         self.in_flight: InFlight | None = None
+        self.holds_lora_slot = False  # running with its adapter's slot held (engines/core/lora_slots.py)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -29,24 +29,29 @@ Multi-step (num_scheduler_steps n > 1): when every running request is decoding a
 plan runs up to n decode steps back to back (num_steps), with each request's slots for them
 allocated up front; update() cuts the tokens past a stop.
 
+LoRA adapters (lora_slots): a request is admitted with its adapter's device slot held until it
+leaves the running batch; one whose adapter cannot get a slot (all held by other adapters' running
+requests) waits while those behind it go on; the plan names the adapters to load first.
+
 The plan (engines/core/plan.py) says only what changed: requests new to the runner (or back after
 a preemption) in full, others as the block ids appended since the last plan.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Mapping
 
 from engines.core.block_manager import BlockManager
-from engines.core.plan import CachedRequest, NewRequest, StepPlan
+from engines.core.lora_slots import LoraSlots
+from engines.core.plan import CachedRequest, LoraLoad, NewRequest, StepPlan
 from engines.core.request import InFlight, PrefixProbe, Request, Status
 from engines.protocol import FINISH_LENGTH
 
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, block_manager: BlockManager,
-                 max_model_len: int, num_scheduler_steps: int = 1):
+                 max_model_len: int, num_scheduler_steps: int = 1, lora_slots: LoraSlots | None = None):
         if min(max_num_seqs, max_num_batched_tokens, max_model_len, num_scheduler_steps) < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens, max_model_len and num_scheduler_steps "
                              "must be positive")
@@ -54,6 +59,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.block_manager = block_manager
+        self.lora_slots = lora_slots  # option.enable_lora: which adapter holds which device slot
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is the newest
@@ -193,6 +199,10 @@ class Scheduler:
             raise AssertionError("waiting, running and the request map disagree")
         if any(r.block_ids or r.num_computed_tokens for r in self.waiting):
             raise AssertionError("a waiting request holds blocks")
+        if self.lora_slots is not None:
+            self.lora_slots.check_invariants(Counter(r.lora_name for r in self.running if r.lora_name is not None))
+            if any(r.holds_lora_slot for r in self.waiting):
+                raise AssertionError("a waiting request holds a LoRA slot")
         for req in self.running:
             if len(req.block_ids) * bm.block_size < req.num_computed_tokens:
                 raise AssertionError(f"{req.request_id}: computed tokens outside its blocks")
@@ -259,8 +269,9 @@ class Scheduler:
         while i < len(self.waiting) and len(self.running) < self.max_num_seqs and budget > 0:
             req = self.waiting[i]
             computed, probe = bm.lookup(req)
-            if probe is not None and probe in computing:
-                i += 1
+            if probe is not None and probe in computing or \
+                    req.lora_name is not None and not self.lora_slots.can_acquire(req.lora_name):
+                i += 1  # (every LoRA slot is held by running requests of other adapters)
                 continue
             num_new = min(req.num_tokens - len(computed) * bm.block_size, budget)
             if not bm.allocate(req, num_new, computed):
@@ -271,6 +282,11 @@ class Scheduler:
             if probe is not None:
                 computing.add(probe)
             self.running.append(req)
+            if req.lora_name is not None:
+                slot, load = self.lora_slots.acquire(req.lora_name)
+                req.holds_lora_slot = True
+                if load:
+                    out.lora_loads.append(LoraLoad(slot, req.lora_name))
             self._record(req, num_new, out)
             budget -= num_new
 
@@ -290,6 +306,7 @@ class Scheduler:
         out.add(req.request_id, num_tokens, list(req.spec_token_ids))
 
     def _preempt(self, req: Request, out: StepPlan) -> None:
+        self._release_lora_slot(req)
         self.block_manager.free(req)
         req.num_computed_tokens = 0
         req.spec_token_ids = []
@@ -303,10 +320,16 @@ class Scheduler:
 
     def _retire(self, req: Request) -> None:
         """A finished or aborted request: free its blocks, tell the runner to drop it."""
+        self._release_lora_slot(req)
         self.block_manager.free(req)
         self.requests.pop(req.request_id, None)
         if self._num_blocks_sent.pop(req.request_id, None) is not None:
             self._finished_ids.append(req.request_id)
+
+    def _release_lora_slot(self, req: Request) -> None:
+        if req.holds_lora_slot:
+            req.holds_lora_slot = False
+            self.lora_slots.release(req.lora_name)
 
 
 def _in_flight_counts(req: Request) -> tuple[int, int]:

@@ -20,7 +20,7 @@ import msgspec
 
 from engines.models.spec import ModelSpec
 from engines.config import LmiConfig
-from engines.protocol import Abort, Add, HealthReply, Output
+from engines.protocol import Abort, AdapterCommand, AdapterReply, Add, HealthReply, Output
 from engines.sampling_params import SamplingParams
 from engines.errors import is_out_of_memory
 
@@ -121,9 +121,12 @@ class DynamicEngine:
     def load(self) -> None:
         self.generator.load()
 
-    def submit(self, msg: Add | Abort) -> None:
+    def submit(self, msg: Add | Abort | AdapterCommand) -> None:
         if isinstance(msg, Abort):
             self.batcher.abort(msg.request_id)
+        elif isinstance(msg, AdapterCommand):
+            self._publish([AdapterReply(msg.request_id, 404, "LoRA adapters are served by the paged engine with "
+                                                             "option.enable_lora=true; this server runs without them")])
         elif msg.lora_name is not None:  # never the base model's answer under an adapter's name
             self._publish([Output(msg.request_id, [], finished=True, finish_reason="error", error_code=404,
                                   error=f"no LoRA adapter named {msg.lora_name!r}: LoRA adapters run in the paged "

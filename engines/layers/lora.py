@@ -5,6 +5,7 @@ merged copies of the model, no per-request weights).
     adapter = read_peft_adapter(path)                 # adapter_config.json + adapter_model.safetensors
     banks = LoraBanks(model, max_loras, max_rank, dtype, device)   # a bank per decoder linear
     banks.load(slot, adapter)                         # slot 1 .. max_loras (0: no adapter, all zeros)
+    adapters = LoraAdapters(model, sources, ...)      # a rank's registry: banks hooked in, LRU in RAM
     step.set(row_slots, num_rows, device)             # each token row's slot, for one forward
     y += bank.delta(x, step)
 
@@ -36,13 +37,13 @@ import json
 import math
 import os
 import re
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from engines.attention.base import to_device
-from engines.config import lora_adapter_names
 
 # HF module name → (owner, our module, fused part or None)
 TARGETS = {"q_proj": ("self_attn", "qkv_proj", 0), "k_proj": ("self_attn", "qkv_proj", 1),
@@ -160,18 +161,26 @@ class LoraBanks:
                 self.banks[(i, name)] = LoraBank(linear, max_loras, max_rank, rows, dtype, device)
         self.comm = comm
 
-    def load(self, slot: int, adapter: LoraAdapter) -> None:
-        if not 1 <= slot <= self.max_loras:
-            raise ValueError(f"LoRA slot {slot} is outside 1..{self.max_loras}")
+    def check(self, adapter: LoraAdapter) -> None:
+        """ValueError unless the adapter fits these banks (its rank, its layers)."""
         if adapter.rank > self.max_rank:
             raise ValueError(f"LoRA adapter {adapter.name!r} has rank {adapter.rank}, above option.max_lora_rank="
                              f"{self.max_rank}")
-        for bank in self.banks.values():
-            bank.clear(slot)
-        for (layer, module), (a, b) in adapter.weights.items():
+        for layer, module in adapter.weights:
             if (layer, TARGETS[module][1]) not in self.banks:
                 raise ValueError(f"LoRA adapter {adapter.name!r}: layer {layer} is past the model's "
                                  f"{len(self.banks) // 4} layers")
+
+    def clear(self, slot: int) -> None:
+        for bank in self.banks.values():
+            bank.clear(slot)
+
+    def load(self, slot: int, adapter: LoraAdapter) -> None:
+        if not 1 <= slot <= self.max_loras:
+            raise ValueError(f"LoRA slot {slot} is outside 1..{self.max_loras}")
+        self.check(adapter)
+        self.clear(slot)
+        for (layer, module), (a, b) in adapter.weights.items():
             _, ours, part = TARGETS[module]
             bank = self.banks[(layer, ours)]
             cols = _shard(a.shape[1], self.comm) if bank.row_parallel else None
@@ -189,12 +198,24 @@ class LoraStep:
     """Which token rows of the forward running now use which slot (set by the model runner around
     each forward; `active` False: no row uses an adapter, nothing to add), as segments: slots lo..hi-1
     each get `segment` rows, src[i] the token row gathered into position i (padding: row 0) and
-    dest[i] where its product goes (padding: N, a row that is dropped)."""
+    dest[i] where its product goes (padding: N, a row that is dropped).
 
-    def __init__(self):
+    Captured decode steps (CUDA graphs, torch.compile) need shapes that do not change with the mix:
+    the static form gives every slot 1..max_loras a segment of the bucket's size, its row indices
+    written into persistent buffers before each replay (`write_static`) and read through the same
+    views the capture saw (`use_static`):
+
+        slots   1        2        3             rows = 4 (a decode bucket), max_loras = 3
+        src   [2 0 0 0 | 0 0 0 0 | 1 3 0 0]     rows 0 base, 1 and 3 slot 3, 2 slot 1
+        dest  [2 4 4 4 | 4 4 4 4 | 1 3 4 4]
+    """
+
+    def __init__(self, max_loras: int = 0):
+        self.max_loras = max_loras
         self.active = False
         self.lo = self.hi = self.segment = 0
         self.src = self.dest = None
+        self._static_src = self._static_dest = None
 
     def clear(self) -> None:
         self.active = False
@@ -217,6 +238,31 @@ class LoraStep:
             dest += r + [n] * (self.segment - len(r))
         self.src, self.dest = to_device(src, device, torch.long), to_device(dest, device, torch.long)
 
+    def allocate_static(self, max_rows: int, device: torch.device) -> None:
+        self._static_src = torch.zeros(self.max_loras * max_rows, dtype=torch.long, device=device)
+        self._static_dest = torch.zeros(self.max_loras * max_rows, dtype=torch.long, device=device)
+
+    def write_static(self, row_slots: list[int], rows: int) -> None:
+        """The static form's indices for a step of `rows` token rows (row_slots: the first ones' slots,
+        the rest padding), into the persistent buffers."""
+        src, dest = [0] * (self.max_loras * rows), [rows] * (self.max_loras * rows)
+        filled = [0] * (self.max_loras + 1)
+        for i, slot in enumerate(row_slots):
+            if slot:
+                at = (slot - 1) * rows + filled[slot]
+                src[at] = dest[at] = i
+                filled[slot] += 1
+        n = len(src)
+        self._static_src[:n].copy_(torch.tensor(src, dtype=torch.long))
+        self._static_dest[:n].copy_(torch.tensor(dest, dtype=torch.long))
+
+    def use_static(self, rows: int) -> None:
+        """Run the next forward in the static form, over the buffers' views for `rows` token rows."""
+        self.active = True
+        self.lo, self.hi, self.segment = 1, self.max_loras + 1, rows
+        n = self.max_loras * rows
+        self.src, self.dest = self._static_src[:n], self._static_dest[:n]
+
 
 class LoraHook:
     """What an adapted linear calls (kept in its __dict__, outside the module tree, so that the model's
@@ -233,29 +279,58 @@ class LoraHook:
 
 
 class LoraAdapters:
-    """Every adapter under `adapters_dir` (one PEFT directory each, named by it), resident in slots
-    1..n of the banks, the banks hooked into the model's linears. → slots: name → slot."""
+    """This rank's adapters: every one registered (name → its PEFT directory), the most recently used
+    `max_cpu_loras` kept read in RAM, and the ones the scheduler placed in device slots loaded in the
+    banks, which are hooked into the model's linears. slots: name → slot (resident ones)."""
 
-    def __init__(self, model: nn.Module, adapters_dir: str, max_loras: int, max_rank: int, dtype: torch.dtype,
-                 device: torch.device):
-        names = lora_adapter_names(adapters_dir)
-        if not names:
-            raise ValueError(f"option.enable_lora=true and no LoRA adapter under {adapters_dir} (one directory per "
-                             "adapter, holding adapter_config.json and adapter_model.safetensors)")
-        if len(names) > max_loras:
-            raise ValueError(f"{len(names)} LoRA adapters under {adapters_dir} and option.max_loras={max_loras}: every "
-                             "adapter stays resident; raise option.max_loras")
+    def __init__(self, model: nn.Module, sources: dict[str, str], max_loras: int, max_rank: int,
+                 max_cpu_loras: int, dtype: torch.dtype, device: torch.device):
         self.banks = LoraBanks(model, max_loras, max_rank, dtype, device)
-        self.slots: dict[str, int] = {}
+        self.max_cpu_loras = max_cpu_loras
+        self.sources: dict[str, str] = {}
         self.ranks: dict[str, int] = {}
-        for slot, name in enumerate(names, start=1):
-            adapter = read_peft_adapter(os.path.join(adapters_dir, name), name)
-            self.banks.load(slot, adapter)
-            self.slots[name], self.ranks[name] = slot, adapter.rank
-        self.step = LoraStep()
+        self.slots: dict[str, int] = {}
+        self._cpu: OrderedDict[str, LoraAdapter] = OrderedDict()  # least recently used first
+        for name, path in sources.items():
+            self.register(name, path)
+        self.step = LoraStep(max_loras)
         for (layer, module), bank in self.banks.banks.items():
             owner = model.layers[layer].self_attn if module in ("qkv_proj", "o_proj") else model.layers[layer].mlp
             getattr(owner, module).__dict__["lora"] = LoraHook(bank, self.step)
+
+    def register(self, name: str, path: str) -> LoraAdapter:
+        """Read and check the adapter (ValueError / OSError naming what is wrong) and keep it in RAM."""
+        adapter = read_peft_adapter(path, name)
+        self.banks.check(adapter)
+        self.sources[name], self.ranks[name] = path, adapter.rank
+        self._keep(adapter)
+        return adapter
+
+    def unregister(self, name: str) -> None:
+        self.sources.pop(name)
+        self.ranks.pop(name)
+        self._cpu.pop(name, None)
+        slot = self.slots.pop(name, None)
+        if slot is not None:
+            self.banks.clear(slot)
+
+    def activate(self, slot: int, name: str) -> None:
+        """Load a registered adapter into `slot` (whatever held it leaves the device)."""
+        adapter = self._cpu.get(name)
+        if adapter is None:  # beyond max_cpu_loras: read again
+            adapter = read_peft_adapter(self.sources[name], name)
+        self._keep(adapter)
+        for held, s in list(self.slots.items()):
+            if s == slot:
+                del self.slots[held]
+        self.banks.load(slot, adapter)
+        self.slots[name] = slot
+
+    def _keep(self, adapter: LoraAdapter) -> None:
+        self._cpu[adapter.name] = adapter
+        self._cpu.move_to_end(adapter.name)
+        while len(self._cpu) > self.max_cpu_loras:
+            self._cpu.popitem(last=False)
 
     @property
     def num_bytes(self) -> int:

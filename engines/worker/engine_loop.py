@@ -21,7 +21,7 @@ import torch
 from engines.config import LmiConfig, SchedulerConfig, memory_bytes
 from engines.memory_plan import available_ram, cpu_kv_budget_bytes
 from engines.errors import FatalStepError, is_out_of_memory
-from engines.protocol import FINISH_ERROR, STATE_READY, Abort, Add, HealthReply, Output
+from engines.protocol import FINISH_ERROR, STATE_READY, Abort, AdapterCommand, AdapterReply, Add, HealthReply, Output
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,7 @@ class EngineLoop(abc.ABC):
         self._step_started: float | None = None
         self._snapshot = HealthReply(STATE_READY)
         self._snapshot_at = 0.0
+        self.adapters = None  # option.enable_lora: engines/worker/lora_registry.LoraRegistry (set by load)
 
     # -- what each engine provides ----------------------------------------------------------------
     @property
@@ -65,8 +66,34 @@ class EngineLoop(abc.ABC):
     def measure(self) -> HealthReply:
         """The engine's statistics now (called on the loop's thread only)."""
 
+    def command(self, msg: AdapterCommand) -> None:
+        """A LoRA adapter registered or unregistered at run time."""
+        if self.adapters is None:
+            return self.reply(msg, 404, "LoRA adapters are served with option.enable_lora=true; this server runs "
+                                        "without them")
+        self.adapters.command(msg, self.unfinished_requests())
+
+    def unfinished_requests(self) -> dict:
+        """Request id → Request, waiting or running (the LoRA registry's view)."""
+        return {}
+
+    def refuses_adapter(self, msg: Add) -> bool:
+        """A request for an adapter not served now is a 404 (never the base model's answer under an
+        adapter's name): True when it was refused."""
+        if msg.lora_name is None:
+            return False
+        refusal = self.adapters.refusal(msg.lora_name) if self.adapters is not None else \
+            f"no LoRA adapter named {msg.lora_name!r}; this server serves: none (option.enable_lora is off)"
+        if refusal:
+            self.publish_error(msg.request_id, 404, refusal)
+        return refusal is not None
+
+    def reply(self, msg: AdapterCommand, status: int, message: str) -> None:
+        self._refresh_snapshot(force=True)  # the adapters listed from now on say what the reply says
+        self._publish([AdapterReply(msg.request_id, status, message)])
+
     # -- shared -------------------------------------------------------------------------------------
-    def submit(self, msg: Add | Abort) -> None:
+    def submit(self, msg: Add | Abort | AdapterCommand) -> None:
         self.inbox.put(msg)
 
     def health(self, state: str) -> HealthReply:
@@ -109,6 +136,8 @@ class EngineLoop(abc.ABC):
         while True:
             if isinstance(msg, Abort):
                 self.abort(msg.request_id)
+            elif isinstance(msg, AdapterCommand):
+                self.command(msg)
             elif self.num_waiting >= self.config.scheduler.job_queue_size:
                 self.publish_error(msg.request_id, 503, "the request queue is full "
                                    f"(job_queue_size={self.config.scheduler.job_queue_size})")

@@ -70,13 +70,42 @@ class Flush(msgspec.Struct, tag="flush"):
         return target.flush()
 
 
+class RegisterLora(msgspec.Struct, tag="register_lora"):
+    """A LoRA adapter registered at run time: every rank reads and keeps it."""
+
+    name: str
+    path: str
+
+    def run(self, target):
+        return target.runner.register_lora(self.name, self.path)
+
+
+class UnregisterLora(msgspec.Struct, tag="unregister_lora"):
+    name: str
+
+    def run(self, target):
+        return target.runner.unregister_lora(self.name)
+
+
+class ActivateLora(msgspec.Struct, tag="activate_lora"):
+    """An adapter into a slot: pinned ones, and the padded engine's (the paged scheduler's loads travel
+    in its plan)."""
+
+    slot: int
+    name: str
+
+    def run(self, target):
+        return target.runner.activate_lora(self.slot, self.name)
+
+
 # -- the padded engine's operations (PaddedBatch) -----------------------------------------------
 class Prefill(msgspec.Struct, tag="prefill"):
     prompts: list[list[int]]
     prompt_top_n: list[int | None] = []  # per prompt: its log-probs with this many alternatives, or None
+    lora_slots: list[int] = []  # per prompt: its LoRA adapter's slot (0: the base model); empty: all base
 
     def run(self, target):
-        return target.prefill(self.prompts, self.prompt_top_n)
+        return target.prefill(self.prompts, self.prompt_top_n, self.lora_slots)
 
 
 class Merge(msgspec.Struct, tag="merge"):
@@ -100,7 +129,8 @@ class Retire(msgspec.Struct, tag="retire"):
         return target.retire(self.keep)
 
 
-StepOp = Union[WarmUp, Allocate, WarmUpBuckets, Execute, Flush, Prefill, Merge, Decode, Retire]
+StepOp = Union[WarmUp, Allocate, WarmUpBuckets, Execute, Flush, RegisterLora, UnregisterLora, ActivateLora, Prefill,
+               Merge, Decode, Retire]
 _decoder = msgspec.msgpack.Decoder(StepOp)
 _encoder = msgspec.msgpack.Encoder()
 
@@ -114,6 +144,10 @@ class Mirrored:
         if self.comm.world_size > 1:
             self.comm.send_step(_encoder.encode(op))
         return op.run(self.target)
+
+    def send_others(self, op: StepOp) -> None:
+        """Run `op` on the other ranks only (rank 0 ran its part already)."""
+        self.comm.send_step(_encoder.encode(op))
 
     def stop(self) -> None:
         if self.comm.world_size > 1:

@@ -9,13 +9,12 @@ paged engine can then run it), with its own past key values otherwise (the padde
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Sequence
 
 import torch
 from engines.attention.base import LayerOptions, kv_storage_dtype, triton_runs
-from engines.config import ModelConfig
+from engines.config import ModelConfig, lora_sources
 from engines.dist import Communicator, SingleProcess
 from engines.layers.fused import FusedOps
 from engines.layers.linear import choose_cpu_matmul
@@ -103,15 +102,31 @@ class ModelRunner:
                  spec.hidden_size, spec.intermediate_size, native, up)
 
     def _load_adapters(self) -> None:
-        """option.enable_lora: every adapter under MODEL_DIR/adapters into this rank's slot banks."""
+        """option.enable_lora: the adapters served from the start registered (read and checked) on this
+        rank, the first max_loras of them placed in slots 1.. (the engine's LoraSlots does the same)."""
         from engines.layers.lora import LoraAdapters
 
         cfg = self.config
-        self.lora = LoraAdapters(self.model, os.path.join(cfg.local_dir, "adapters"), cfg.max_loras, cfg.max_lora_rank,
+        sources = lora_sources(cfg)
+        self.lora = LoraAdapters(self.model, sources, cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras,
                                  self.dtype, self.device)
+        for slot, name in enumerate(list(sources)[:cfg.max_loras], start=1):
+            self.lora.activate(slot, name)
         log.info("LoRA adapters (rank, slot): %s; %d slots of rank %d hold %.1f MiB on rank %d",
-                 ", ".join(f"{n} (r={self.lora.ranks[n]}, slot {s})" for n, s in self.lora.slots.items()),
+                 ", ".join(f"{n} (r={self.lora.ranks[n]}, slot {self.lora.slots.get(n, '-')})" for n in sources)
+                 or "none yet (register them at run time)",
                  cfg.max_loras, cfg.max_lora_rank, self.lora.num_bytes / 2**20, self.comm.rank)
+
+    # -- LoRA adapters registered at run time, placed in slots (every rank: step operations) ---------
+    def register_lora(self, name: str, path: str) -> int:
+        """→ its rank (ValueError / OSError: it cannot be served)."""
+        return self.lora.register(name, path).rank
+
+    def unregister_lora(self, name: str) -> None:
+        self.lora.unregister(name)
+
+    def activate_lora(self, slot: int, name: str) -> None:
+        self.lora.activate(slot, name)
 
     def _quantize(self, method: str) -> None:
         """option.quantize: this rank's linear shards → packed low-bit weights (engines/layers/quant.py)."""
@@ -174,10 +189,11 @@ class ModelRunner:
         return parameter_bytes(self.model)
 
     @torch.inference_mode()
-    def prefill(self, prompts: list[list[int]], prompt_rows: Sequence[int] = ()) -> tuple[torch.Tensor, PaddedKVCache]:
+    def prefill(self, prompts: list[list[int]], prompt_rows: Sequence[int] = (), lora_slots: Sequence[int] = ()) \
+            -> tuple[torch.Tensor, PaddedKVCache]:
         """A new left-padded batch from prompts → (last-token logits [n, V], its cache). For each
         row in `prompt_rows` the logits of its positions 0 .. len-2 follow, in that order (they
-        predict its prompt tokens 1 .. len-1)."""
+        predict its prompt tokens 1 .. len-1). lora_slots: each row's LoRA slot (0: the base model)."""
         width = max(len(p) for p in prompts)
         pads = [width - len(p) for p in prompts]
         ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
@@ -190,19 +206,22 @@ class ModelRunner:
             index = [b * width + width - 1 for b in range(len(prompts))]
             index += [b * width + c for b in prompt_rows for c in range(pads[b], width - 1)]
             index = torch.tensor(index, dtype=torch.long, device=self.device)
-        return self._forward(cache, ids.to(self.device), index), cache
+        return self._forward(cache, ids.to(self.device), index, lora_slots), cache
 
     @torch.inference_mode()
-    def decode(self, cache: PaddedKVCache, last_tokens: list[int]) -> torch.Tensor:
+    def decode(self, cache: PaddedKVCache, last_tokens: list[int], lora_slots: Sequence[int] = ()) -> torch.Tensor:
         """One token per row → logits [B, V]."""
         ids = torch.tensor(last_tokens, dtype=torch.long, device=self.device).view(-1, 1)
-        return self._forward(cache, ids)
+        return self._forward(cache, ids, None, lora_slots)
 
-    def _forward(self, cache: PaddedKVCache, ids: torch.Tensor, logits_index: torch.Tensor | None = None) \
-            -> torch.Tensor:
-        t = ids.shape[1]
+    def _forward(self, cache: PaddedKVCache, ids: torch.Tensor, logits_index: torch.Tensor | None = None,
+                 lora_slots: Sequence[int] = ()) -> torch.Tensor:
+        b, t = ids.shape
         cols = torch.arange(cache.width, cache.width + t, device=self.device).view(1, -1)
         positions = (cols - cache.pads.view(-1, 1)).clamp(min=0)  # [B, T]
+        lora = self.lora if any(lora_slots) else None
+        if lora is not None:  # token rows [B * T], row-major: each batch row's slot T times
+            lora.step.set([slot for slot in lora_slots for _ in range(t)], b * t, self.device)
         cache.begin_forward(t)
         try:
             if self.owns_kv:
@@ -210,6 +229,8 @@ class ModelRunner:
             return self._hf_forward(cache, ids, positions, logits_index)
         finally:
             cache.end_forward()
+            if lora is not None:
+                lora.step.clear()
 
     def _hf_forward(self, cache: PaddedKVCache, ids: torch.Tensor, positions: torch.Tensor,
                     logits_index: torch.Tensor | None) -> torch.Tensor:

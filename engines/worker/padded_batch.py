@@ -14,13 +14,16 @@ class PaddedBatch:
         self.runner = runner
         self.running: PaddedKVCache | None = None
         self._new: PaddedKVCache | None = None
+        self.lora_slots: list[int] = []  # each running row's LoRA slot (0: the base model)
+        self._new_slots: list[int] = []
 
-    def prefill(self, prompts: list[list[int]], prompt_top_n: list[int | None] = ()) \
+    def prefill(self, prompts: list[list[int]], prompt_top_n: list[int | None] = (), lora_slots: list[int] = ()) \
             -> tuple[torch.Tensor | None, dict[int, PromptLogprobs]]:
         """A new batch from prompts, kept aside until `merge`; → (last-token logits [n, V], the prompt
         log-probs of each row whose `prompt_top_n` is not None). Rank 0 only: (None, {}) elsewhere."""
         rows = [i for i, top in enumerate(prompt_top_n) if top is not None]
-        logits, self._new = self.runner.prefill(prompts, rows)
+        self._new_slots = list(lora_slots) or [0] * len(prompts)
+        logits, self._new = self.runner.prefill(prompts, rows, self._new_slots)
         if logits is None:
             return None, {}
         prompt, at = {}, len(prompts)
@@ -41,16 +44,19 @@ class PaddedBatch:
         if len(keep) < new.batch_size:
             new = new.filter(keep)
         self.running = new if self.running is None else self.running.concatenate(new)
+        self.lora_slots += [self._new_slots[i] for i in keep]
 
     def decode(self, last_tokens: list[int]) -> torch.Tensor:
-        return self.runner.decode(self.running, last_tokens)
+        return self.runner.decode(self.running, last_tokens, self.lora_slots)
 
     def retire(self, keep: list[int]) -> None:
         """Keep only rows `keep`; an empty batch holds no KV memory."""
         self.running = self.running.filter(keep) if keep else None
+        self.lora_slots = [self.lora_slots[i] for i in keep]
 
     def reset(self) -> None:
         self.running = self._new = None
+        self.lora_slots = []
 
     def num_kv_slots(self) -> int:
         running = self.running

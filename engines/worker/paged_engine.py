@@ -15,6 +15,7 @@ from engines.models.spec import ModelSpec
 from engines.attention.base import select_backend
 from engines.config import LmiConfig
 from engines.core.block_manager import BlockManager
+from engines.core.lora_slots import LoraSlots
 from engines.core.modes import scheduling_mode
 from engines.core.plan import StepPlan
 from engines.core.request import Request
@@ -24,6 +25,7 @@ from engines.startup import TIMELINE
 from engines.protocol import STATE_READY, Add, HealthReply, Output
 from engines.dist import SingleProcess
 from engines.worker.engine_loop import EngineLoop, kv_budget_bytes
+from engines.worker.lora_registry import LoraRegistry
 from engines.worker.mirror import Allocate, Execute, Flush, Mirrored, WarmUp, WarmUpBuckets
 from engines.worker.model_runner import ModelRunner
 from engines.worker.paged_runner import DECODE_EAGER, DECODE_GRAPHS, DECODE_INDUCTOR, PagedRunner
@@ -68,8 +70,10 @@ class PagedEngine(EngineLoop):
         # every layer sliding: blocks behind the widest window go back to the pool as requests decode
         self.blocks = BlockManager(num_blocks, block_size, sched.enable_prefix_caching,
                                    max(windows) if windows and all(windows) else None)
+        lora_slots = LoraSlots(self.config.model.max_loras) if self.runner.lora is not None else None
         self.scheduler = Scheduler(sched.max_num_seqs, sched.max_num_batched_tokens, self.blocks, self.max_model_len,
-                                   sched.num_scheduler_steps)
+                                   sched.num_scheduler_steps, lora_slots)
+        self.adapters = LoraRegistry(self.paged, lora_slots, self.reply) if lora_slots is not None else None
         self.paged.target.interrupted = self._arrived  # rank 0 ends a multi-step decode for an arrival
         self.proposer = self._make_proposer(block_size)
         self.stepper = SpeculativeStepper(self, self.proposer) if self.proposer else \
@@ -107,8 +111,6 @@ class PagedEngine(EngineLoop):
             return DECODE_EAGER, "option.enforce_eager=true"
         if not self.runner.is_native:
             return DECODE_EAGER, "the transformers fallback runs eagerly"
-        if self.runner.lora is not None:
-            return DECODE_EAGER, "LoRA adapters: each step's adapter rows are grouped on the host"
         if self.runner.device.type == "cuda":
             if self.comm.world_size > 1:  # the collectives inside the step are not captured
                 return DECODE_EAGER, "CUDA graphs are captured at tensor_parallel_degree=1 only"
@@ -134,7 +136,8 @@ class PagedEngine(EngineLoop):
         used = self.blocks.num_blocks - self.blocks.num_free_blocks
         return HealthReply(STATE_READY, num_waiting=self.num_waiting, num_running=self.scheduler.num_running,
                            num_batches=self.num_steps, num_kv_slots=used * self.blocks.block_size,
-                           metrics=self.metrics())
+                           metrics=self.metrics(),
+                           adapters=self.adapters.infos(self.scheduler.requests) if self.adapters else [])
 
     def metrics(self) -> dict[str, float]:
         bm, sched = self.blocks, self.scheduler
@@ -166,13 +169,8 @@ class PagedEngine(EngineLoop):
         return self.scheduler.has_unfinished
 
     def add(self, msg: Add) -> None:
-        if msg.lora_name is not None:
-            served = self.runner.lora.slots if self.runner.lora is not None else {}
-            if msg.lora_name not in served:
-                names = ", ".join(served) or "none (option.enable_lora is off)"
-                self.publish_error(msg.request_id, 404, f"no LoRA adapter named {msg.lora_name!r}; this server serves: "
-                                                        f"{names}")
-                return
+        if self.refuses_adapter(msg):
+            return
         req = Request(msg.request_id, msg.prompt_token_ids, msg.sampling, self.runner.eos_token_ids, self._arrivals,
                       msg.lora_name)
         self._arrivals += 1
@@ -181,8 +179,13 @@ class PagedEngine(EngineLoop):
         except ValueError as exc:  # can never fit the cache (or the model): refuse now, not never
             self.publish_error(req.request_id, 507, f"the request cannot be served: {exc}")
 
+    def unfinished_requests(self) -> dict[str, Request]:
+        return self.scheduler.requests
+
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
+        if self.adapters is not None:
+            self.adapters.retire_unused(self.scheduler.requests)
         self._prompt.drop(request_id)
         if self.proposer is not None:
             self.proposer.drop(request_id)
@@ -194,6 +197,8 @@ class PagedEngine(EngineLoop):
         per step: the plan (the sampled tokens reach the other ranks within the step)."""
         self.num_steps += 1
         self.stepper.step()
+        if self.adapters is not None:
+            self.adapters.retire_unused(self.scheduler.requests)
 
     # -- what the steppers call --------------------------------------------------------------------
     def run_plan(self, plan: StepPlan, pipelined: bool) -> StepResult | None:
@@ -237,6 +242,8 @@ class PagedEngine(EngineLoop):
                                   prompt_top_tokens=prompt_top))
             if req.is_finished and self.proposer is not None:
                 self.proposer.drop(req.request_id)
+            if req.is_finished and self.adapters is not None:
+                self.adapters.finished(req)
         if outputs:
             self.publish(outputs)
 

@@ -110,7 +110,9 @@ class PagedRunner:
             self._decode_model = torch.compile(functools.partial(getattr(forward, "__wrapped__", forward), r.model),
                                                dynamic=None)
         elif decode_mode == DECODE_GRAPHS:
-            self.graphs = StepGraphs(self._run_model, self.backend, self.buffers)
+            self.graphs = StepGraphs(functools.partial(self._run_model, static_lora=True), self.backend, self.buffers)
+        if r.lora is not None and decode_mode != DECODE_EAGER:  # captured decode steps: LoRA's static form
+            r.lora.step.allocate_static(max(self.buffers.decode_buckets), r.device)
 
     @torch.inference_mode()
     def warm_up_buckets(self) -> None:
@@ -139,6 +141,8 @@ class PagedRunner:
         for rid in plan.finished_ids:
             self.states.pop(rid, None)
             self.sampler.remove(rid)
+        for load in plan.lora_loads:  # adapters the scheduler placed in slots (engines/core/lora_slots.py)
+            self.runner.lora.activate(load.slot, load.name)
         for rid in plan.preempted_ids:  # back later as new; its sampler state (seed, counts) goes on
             self.states.pop(rid, None)
         for new in plan.new_requests:
@@ -241,25 +245,33 @@ class PagedRunner:
         DECODE_INDUCTOR) over the same buffers."""
         fed = self._fed[0] if self._fed is not None else None
         view = self.buffers.write(batch, fed)
-        if view.decode_only and self.graphs is not None and self.graphs.can_run(view.num_seqs):
-            logits = self.graphs.replay(view.num_seqs)
-        else:
-            model = self._decode_model if view.decode_only else self.runner.model
-            logits = self._run_model(view, self.backend.metadata(view), model)
+        graphed = view.decode_only and self.graphs is not None and self.graphs.can_run(view.num_seqs)
+        compiled = view.decode_only and self.decode_mode == DECODE_INDUCTOR
+        lora = self.runner.lora
+        if lora is not None:  # each token row's adapter slot (padding rows: 0)
+            slots = lora_row_slots(view.chunks)
+            if graphed or compiled:  # captured shapes: every slot a segment of the bucket's size
+                lora.step.write_static(slots or [], view.num_tokens)
+            elif slots is not None:
+                lora.step.set(slots, view.num_tokens, self.runner.device)
+        try:
+            if graphed:
+                logits = self.graphs.replay(view.num_seqs)
+            else:
+                model = self._decode_model if view.decode_only else self.runner.model
+                logits = self._run_model(view, self.backend.metadata(view), model, static_lora=compiled)
+        finally:
+            if lora is not None:
+                lora.step.clear()
         return logits[:len(batch.logits_rows)] if logits is not None else None
 
-    def _run_model(self, view, meta, model=None) -> torch.Tensor | None:
+    def _run_model(self, view, meta, model=None, static_lora: bool = False) -> torch.Tensor | None:
+        """static_lora: the LoRA path in its static form (captured or compiled decode steps), the
+        indices written already."""
+        if static_lora and self.runner.lora is not None:
+            self.runner.lora.step.use_static(view.num_tokens)
         model = model or self.runner.model
-        lora = self.runner.lora
-        slots = lora_row_slots(view.chunks) if lora is not None else None
-        if slots is not None:  # each token row's adapter slot (padding rows: 0)
-            lora.step.set(slots, view.num_tokens, self.runner.device)
-        try:
-            return model(view.input_ids.view(1, -1), view.positions.view(1, -1), self.backend, meta,
-                         view.logits_indices)
-        finally:
-            if slots is not None:
-                lora.step.clear()
+        return model(view.input_ids.view(1, -1), view.positions.view(1, -1), self.backend, meta, view.logits_indices)
 
     def _lora_slot(self, name: str | None) -> int:
         if name is None:

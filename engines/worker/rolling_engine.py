@@ -16,10 +16,12 @@ import torch
 from engines.models.spec import ModelSpec
 from engines.config import LmiConfig
 from engines.core.admission import AdmissionLimits, admit, fits_alone
+from engines.core.lora_slots import LoraSlots
 from engines.core.request import Request, Status
 from engines.startup import TIMELINE
-from engines.protocol import STATE_READY, Add, HealthReply, Output
+from engines.protocol import FINISH_ABORT, STATE_READY, Add, HealthReply, Output
 from engines.worker.engine_loop import EngineLoop, kv_budget_bytes
+from engines.worker.lora_registry import LoraRegistry
 from engines.dist import SingleProcess
 from engines.worker.mirror import Decode, Merge, Mirrored, Prefill, Retire, WarmUp
 from engines.worker.model_runner import ModelRunner
@@ -71,6 +73,8 @@ class RollingEngine(EngineLoop):
             raise ValueError(f"option.kv_cache_dtype={self.config.model.kv_cache_dtype}: the padded engine keeps "
                              "K/V in the model dtype; the paged engine stores fp8")
         self.runner.load()
+        if self.runner.lora is not None:
+            self.adapters = LoraRegistry(self.batch, LoraSlots(self.config.model.max_loras), self.reply)
         sched = self.config.scheduler
         with TIMELINE.phase("warm_up"):
             peak = self.batch.call(WarmUp(min(sched.max_num_batched_tokens, self.runner.max_model_len)))
@@ -83,7 +87,11 @@ class RollingEngine(EngineLoop):
 
     def measure(self) -> HealthReply:
         return HealthReply(STATE_READY, num_waiting=len(self.waiting), num_running=len(self.running),
-                           num_batches=self.num_steps, num_kv_slots=self.batch.target.num_kv_slots())
+                           num_batches=self.num_steps, num_kv_slots=self.batch.target.num_kv_slots(),
+                           adapters=self.adapters.infos(self.unfinished_requests()) if self.adapters else [])
+
+    def unfinished_requests(self) -> dict[str, Request]:
+        return {r.request_id: r for r in (*self.waiting, *self.running) if not r.is_finished}
 
     def stop_ranks(self) -> None:
         self.batch.stop()
@@ -96,11 +104,10 @@ class RollingEngine(EngineLoop):
         return bool(self.waiting or self.running)
 
     def add(self, msg: Add) -> None:
-        if msg.lora_name is not None:  # never the base model's answer under an adapter's name
-            self.publish_error(msg.request_id, 404, f"no LoRA adapter named {msg.lora_name!r}: LoRA adapters run in "
-                                                    "the paged engine (option.enable_lora)")
+        if self.refuses_adapter(msg):
             return
-        req = Request(msg.request_id, msg.prompt_token_ids, msg.sampling, self.runner.eos_token_ids, self._arrivals)
+        req = Request(msg.request_id, msg.prompt_token_ids, msg.sampling, self.runner.eos_token_ids, self._arrivals,
+                      msg.lora_name)
         self._arrivals += 1
         if not fits_alone(req, self.limits):
             self.publish_error(req.request_id, 507, "the request needs more KV cache than the budget of "
@@ -112,6 +119,8 @@ class RollingEngine(EngineLoop):
         for req in self.waiting:
             if req.request_id == request_id:
                 self.waiting.remove(req)
+                if self.adapters is not None:
+                    self.adapters.retire_unused(self.unfinished_requests())
                 return
         for req in self.running:
             if req.request_id == request_id and not req.is_finished:
@@ -120,7 +129,7 @@ class RollingEngine(EngineLoop):
     def step(self) -> None:
         self.num_steps += 1
         outputs: dict[str, StepOutput] = {}
-        new = admit(self.waiting, self.running, self.limits)
+        new = admit(self.waiting, self.running, self.limits, self.adapters.hold_slot if self.adapters else None)
         try:
             if new:
                 self._prefill(new, outputs)
@@ -129,22 +138,27 @@ class RollingEngine(EngineLoop):
                 self._sample(self.running, logits, outputs)
         except Exception as exc:
             victims = {r.request_id: r for r in self.running + new}
-            for rid in victims:
+            for rid, req in victims.items():
                 self.sampler.remove(rid)
+                if self.adapters is not None:
+                    self.adapters.release_slot(req)
             self.running = []
             self.batch.target.reset()
             self.fail_step(list(victims), exc)
             return
         self._retire()
         self.publish([out.to_output() for out in outputs.values()])
+        if self.adapters is not None:
+            self.adapters.retire_unused(self.unfinished_requests())
 
     def _prefill(self, new: list[Request], outputs: dict[str, StepOutput]) -> None:
         for req in new:
             req.status = Status.RUNNING
             self.sampler.add(req.request_id, req.sampling, req.prompt_token_ids)
+        slots = [self.adapters.slots.slot_of[r.lora_name] if r.lora_name else 0 for r in new] if self.adapters else []
         logits, prompt = self.batch.call(Prefill([r.prompt_token_ids for r in new],
                                                  [r.sampling.top_n_tokens if r.sampling.prompt_logprobs else None
-                                                  for r in new]))
+                                                  for r in new], slots))
         self._sample(new, logits, outputs)
         for i, part in prompt.items():
             if new[i].request_id in outputs:
@@ -152,7 +166,7 @@ class RollingEngine(EngineLoop):
         keep = [i for i, r in enumerate(new) if not r.is_finished]
         for r in new:
             if r.is_finished:
-                self.sampler.remove(r.request_id)
+                self._finish(r)
         self.batch.call(Merge(keep))
         self.running += [new[i] for i in keep]
 
@@ -171,6 +185,14 @@ class RollingEngine(EngineLoop):
             return
         for r in self.running:
             if r.is_finished:
-                self.sampler.remove(r.request_id)
+                self._finish(r)
         self.running = [self.running[i] for i in keep]
         self.batch.call(Retire(keep))
+
+    def _finish(self, req: Request) -> None:
+        """A finished (or aborted) row leaves: its sampler state, its LoRA slot."""
+        self.sampler.remove(req.request_id)
+        if self.adapters is not None:
+            self.adapters.release_slot(req)
+            if req.finish_reason != FINISH_ABORT:
+                self.adapters.finished(req)
