@@ -428,3 +428,44 @@ def test_adapters_registered_at_run_time_while_traffic_flows(start_server, lora_
     assert f'lmi_lora_generated_tokens_total{{adapter="attn-r4"}} {float(6 * counts["attn-r4"])}' in metrics
     assert 'lmi_lora_requests_total{adapter="all-r2"}' not in metrics  # unregistered
     assert "LoRA adapter all-r2 registered (r=2, from " in server.log()
+
+
+@pytest.fixture(scope="module")
+def lora_kernels(tmp_path_factory):
+    """The CPU LoRA kernel as loaded, and a portable build without AVX512-BF16 where the CPU has it."""
+    from engines.kernels import cpu_attention, cpu_lora
+
+    builds = {"native": cpu_lora.load()}
+    assert builds["native"] is not None
+    if "avx512_bf16" in cpu_attention._cpu_flags():
+        target = tmp_path_factory.mktemp("lora-kernel") / "portable.so"
+        cpu_attention.build(cpu_attention.compiler(), target, ("-mno-avx512bf16",), source=cpu_lora.SOURCE)
+        builds["portable"] = cpu_lora.bind(target)
+    return builds
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)], ids=["f32", "bf16"])
+def test_the_cpu_kernel_adds_what_the_batched_matmuls_compute(lora_kernels, dtype, atol):
+    """Against LoraBank.delta (its twin): rows of three slots with slot 2 unused between them, base rows,
+    segments of 5 (not a multiple of the kernel's group of 4) with padding, an input width with a
+    tail (not a multiple of 32), an output width with a partial block (not a multiple of 64), and x rows
+    with a stride (a slice of a wider tensor); y is added to, in place."""
+    from engines.kernels import cpu_lora
+
+    torch.manual_seed(3)
+    n, k, width, out = 12, 100, 24, 150
+    a, bt = torch.randn(5, width, k, dtype=dtype) / 4, torch.randn(5, width, out, dtype=dtype) / 4
+    slots = [1, 0, 3, 3, 1, 4, 0, 1, 3, 1, 1, 0]
+    step = LoraStep(4)
+    step.set(slots, n, torch.device("cpu"))
+    assert (step.lo, step.hi, step.segment) == (1, 5, 5)
+    x = torch.randn(n, k + 7, dtype=dtype)[:, 3:3 + k]
+    y0 = torch.randn(n, out, dtype=dtype)
+    bank = types.SimpleNamespace(A=a, Bt=bt)
+    want = y0.float() + LoraBank.delta(bank, x.float().contiguous(), step) if dtype == torch.float32 else \
+        y0.float() + LoraBank.delta(types.SimpleNamespace(A=a.float(), Bt=bt.float()), x.float(), step)
+    for name, lib in lora_kernels.items():
+        y = y0.clone()
+        cpu_lora.add_delta(x, y, a, bt, step, lib=lib)
+        torch.testing.assert_close(y.float(), want, atol=atol, rtol=atol, msg=name)
+        assert torch.equal(y[[1, 6, 11]], y0[[1, 6, 11]]), name  # base rows untouched

@@ -53,13 +53,13 @@ def _cache_dirs() -> list[Path]:
             Path(tempfile.gettempdir()) / f"lmi-serve-kernels-{os.getuid()}"]
 
 
-def build(compiler: str, target: Path, extra_flags: tuple[str, ...] = ()) -> None:
-    """Compile the kernel to `target`, atomically (a temporary name, then a rename)."""
+def build(compiler: str, target: Path, extra_flags: tuple[str, ...] = (), source: Path = SOURCE) -> None:
+    """Compile a kernel source to `target`, atomically (a temporary name, then a rename)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.partial")
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, *extra_flags, "-o", partial, str(SOURCE), "-lm"], check=True,
+        subprocess.run([compiler, *FLAGS, *extra_flags, "-o", partial, str(source), "-lm"], check=True,
                        capture_output=True, text=True, timeout=120)
         os.replace(partial, target)
     finally:
@@ -88,31 +88,42 @@ def _fail(reason: str) -> None:
     log.warning("the CPU paged decode kernel did not build (%s): auto picks the torch attention backend", reason)
 
 
+class BuildError(Exception):
+    """Why a kernel cannot be built here, in one sentence."""
+
+
+def cached_build(source: Path, what: str) -> Path:
+    """The shared object of `source` for this compiler and CPU: built here unless cached (`what` names
+    it in the log). BuildError when it cannot be."""
+    cc = compiler()
+    if cc is None:
+        raise BuildError("no C compiler (cc or gcc) on PATH")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256("\0".join([source.read_text(), " ".join(FLAGS), version, _cpu_flags()]).encode()).hexdigest()
+    errors = []
+    for directory in _cache_dirs():
+        target = directory / f"{source.stem}-{key[:16]}.so"
+        try:
+            if not target.exists():
+                build(cc, target, source=source)
+                log.info("built the %s: %s", what, target)
+            return target
+        except subprocess.CalledProcessError as e:  # the source or the flags: no other directory helps
+            raise BuildError(f"{cc} failed: {e.stderr.strip()[-500:]}") from None
+        except (OSError, subprocess.SubprocessError) as e:
+            errors.append(f"{directory}: {e}")
+    raise BuildError("; ".join(errors))
+
+
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The kernel, built here if no build of this source, compiler and CPU is cached; None (logged once,
     why() says why) when it cannot build."""
-    cc = compiler()
-    if cc is None:
-        _fail("no C compiler (cc or gcc) on PATH")
+    try:
+        return bind(cached_build(SOURCE, "CPU paged decode kernel"))
+    except (BuildError, OSError) as e:
+        _fail(str(e))
         return None
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_flags()]).encode()).hexdigest()
-    errors = []
-    for directory in _cache_dirs():
-        target = directory / f"cpu_attention-{key[:16]}.so"
-        try:
-            if not target.exists():
-                build(cc, target)
-                log.info("built the CPU paged decode kernel: %s", target)
-            return bind(target)
-        except subprocess.CalledProcessError as e:  # the source or the flags: no other directory helps
-            _fail(f"{cc} failed: {e.stderr.strip()[-500:]}")
-            return None
-        except (OSError, subprocess.SubprocessError) as e:
-            errors.append(f"{directory}: {e}")
-    _fail("; ".join(errors))
-    return None
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,

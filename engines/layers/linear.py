@@ -64,11 +64,12 @@ def choose_cpu_matmul(in_features: int, out_features: int, rows: int = 32) -> tu
     return MatmulPolicy.upcast, 1e3 * best["native"], 1e3 * best["upcast"]
 
 
-def lora_delta(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-    """option.enable_lora: the LoRA delta of x for the linear `module` (engines/layers/lora.py's hook, kept
-    in its __dict__, outside the module tree), or None when it has none or no row uses an adapter."""
+def add_lora(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """option.enable_lora: y, the linear `module`'s output for x, with each row's LoRA delta added
+    (engines/layers/lora.py's hook, kept in its __dict__, outside the module tree); y as it is when
+    the module has none or no row uses an adapter."""
     hook = module.__dict__.get("lora")
-    return hook.delta(x) if hook is not None else None
+    return hook.add(x, y) if hook is not None else y
 
 
 def shard_range(size: int, rank: int, world: int) -> tuple[int, int]:
@@ -112,9 +113,7 @@ class ColumnParallelLinear(nn.Module):
             offset += size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, self.bias)
-        delta = lora_delta(self, x)
-        return y if delta is None else y + delta
+        return add_lora(self, x, linear(x, self.weight, self.bias))
 
 
 class RowParallelLinear(nn.Module):
@@ -135,7 +134,5 @@ class RowParallelLinear(nn.Module):
         self.weight.data.copy_(get((slice(None), slice(lo, hi))))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = linear(x, self.weight)
-        delta = lora_delta(self, x)  # this rank's partial LoRA delta joins the all-reduce
-        y = self.comm.all_reduce(partial if delta is None else partial + delta)
+        y = self.comm.all_reduce(add_lora(self, x, linear(x, self.weight)))  # this rank's LoRA part joins it
         return y + self.bias if self.bias is not None else y

@@ -15,18 +15,20 @@ S = max_loras + 1 slots (slot 0: zeros, the base model), each W = P·R wide (P f
 max_rank, ranks zero-padded):
 
     column-parallel (fused parts p = q, k, v or gate, up):
-        A [S, W, in]                   slot s, part p: rows p·R .. of A[s]
-        B [S, out_local, W]            part p's output rows read only its own R columns
+        A  [S, W, in]                  slot s, part p: rows p·R .. of A[s]
+        Bt [S, W, out_local]           Bᵀ: part p's output columns read only its own R rows
     row-parallel (o, down):  P = 1
-        A [S, W, in_local]             this rank's input columns
-        B [S, out, W]                  whole: each rank's partial delta joins the all-reduce with the
+        A  [S, W, in_local]            this rank's input columns
+        Bt [S, W, out]                 whole: each rank's partial delta joins the all-reduce with the
                                        partial product, since B·Σ(x_s A_sᵀ) = Σ B·(x_s A_sᵀ)
 
 A step's delta is segment-grouped (punica's SGMV, in plain batched matmuls): the rows of each slot
 from the lowest to the highest the step uses are gathered into one segment each, padded to the
 longest, and two bmm over the segments give each row its own adapter's delta only; the products go
 back to their rows (index_copy). Four ops per linear whatever the mix, and work in proportion to the
-rows (plus padding), not to the adapters loaded. A column-parallel shard takes the rows of B the
+rows (plus padding), not to the adapters loaded. On CPU a C kernel (engines/kernels/cpu_lora.c) does
+the same segment by segment, adding into the linear's output in place and skipping the padding; the
+batched matmuls are its twin and the path on CUDA and in compiled steps. A column-parallel shard takes the rows of B the
 base weight's shard takes (q: its heads; k/v: the KV heads this rank holds, replicated when there
 are fewer than ranks); A whole. A part an adapter does not target stays zero.
 """
@@ -44,6 +46,7 @@ import torch
 from torch import nn
 
 from engines.attention.base import to_device
+from engines.kernels import cpu_lora
 
 # HF module name → (owner, our module, fused part or None)
 TARGETS = {"q_proj": ("self_attn", "qkv_proj", 0), "k_proj": ("self_attn", "qkv_proj", 1),
@@ -97,7 +100,7 @@ def read_peft_adapter(path: str, name: str | None = None) -> LoraAdapter:
 
 
 class LoraBank(nn.Module):
-    """One linear's slots (see the module docstring): A [S, W, in] and B [S, out, W], W = P·R."""
+    """One linear's slots (see the module docstring): A [S, W, in] and Bt [S, W, out], W = P·R."""
 
     def __init__(self, linear: nn.Module, max_loras: int, max_rank: int, rows: list[tuple[int, int] | None],
                  dtype: torch.dtype, device: torch.device):
@@ -110,7 +113,7 @@ class LoraBank(nn.Module):
         self.max_rank = max_rank
         width = len(self.part_sizes) * max_rank  # columns of one slot
         self.A = nn.Parameter(torch.zeros(max_loras + 1, width, k, dtype=dtype, device=device), requires_grad=False)
-        self.B = nn.Parameter(torch.zeros(max_loras + 1, out, width, dtype=dtype, device=device), requires_grad=False)
+        self.Bt = nn.Parameter(torch.zeros(max_loras + 1, width, out, dtype=dtype, device=device), requires_grad=False)
 
     def load(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor, cols: tuple[int, int] | None) -> None:
         """A [r, in_full], B [out_full_part, r] (scaling folded in) into `slot`'s part."""
@@ -120,11 +123,11 @@ class LoraBank(nn.Module):
         a = a[:, cols[0]:cols[1]] if cols else a
         first = part * self.max_rank
         self.A.data[slot, first:first + r].copy_(a)
-        self.B.data[slot, start:start + self.part_sizes[part], first:first + r].copy_(b[lo:hi])
+        self.Bt.data[slot, first:first + r, start:start + self.part_sizes[part]].copy_(b[lo:hi].T)
 
     def clear(self, slot: int) -> None:
         self.A.data[slot].zero_()
-        self.B.data[slot].zero_()
+        self.Bt.data[slot].zero_()
 
     def delta(self, x: torch.Tensor, step: "LoraStep") -> torch.Tensor:
         """x [N, in] → Δy [N, out]: the rows of each slot in the step's range gathered into one padded
@@ -132,7 +135,7 @@ class LoraBank(nn.Module):
         (padding rows and the base model's rows get zeros)."""
         lo, hi, seg = step.lo, step.hi, step.segment
         xs = x.index_select(0, step.src).view(hi - lo, seg, x.shape[1])  # [k, G, in]
-        d = torch.bmm(torch.bmm(xs, self.A[lo:hi].transpose(1, 2)), self.B[lo:hi].transpose(1, 2))  # [k, G, out]
+        d = torch.bmm(torch.bmm(xs, self.A[lo:hi].transpose(1, 2)), self.Bt[lo:hi])  # [k, G, out]
         out = x.new_zeros(x.shape[0] + 1, d.shape[2])  # the last row takes the padding's products
         out.index_copy_(0, step.dest, d.view(-1, d.shape[2]))
         return out[:-1]
@@ -271,11 +274,16 @@ class LoraHook:
     def __init__(self, bank: LoraBank, step: LoraStep):
         self.bank, self.step = bank, step
 
-    def delta(self, x: torch.Tensor) -> torch.Tensor | None:
+    def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y (the linear's output for x) with each row's adapter delta added: in place by the CPU
+        kernel where it runs, else y + the batched matmuls' delta."""
         if not self.step.active:
-            return None
-        flat = x.reshape(-1, x.shape[-1])
-        return self.bank.delta(flat, self.step).view(*x.shape[:-1], -1)
+            return y
+        flat_x, flat_y = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+        if cpu_lora.runs(flat_x, flat_y):
+            cpu_lora.add_delta(flat_x, flat_y, self.bank.A, self.bank.Bt, self.step)
+            return y
+        return y + self.bank.delta(flat_x, self.step).view_as(y)
 
 
 class LoraAdapters:
@@ -334,5 +342,5 @@ class LoraAdapters:
 
     @property
     def num_bytes(self) -> int:
-        return sum(b.A.numel() * b.A.element_size() + b.B.numel() * b.B.element_size()
+        return sum(b.A.numel() * b.A.element_size() + b.Bt.numel() * b.Bt.element_size()
                    for b in self.banks.banks.values())
