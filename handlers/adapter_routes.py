@@ -45,13 +45,19 @@ def register(app: Flask, service, read_body: Callable[[], bytes], to_json: Calla
         if request.is_json and request.content_length:
             body = _json_body(read_body())
             args.update({k: str(v).lower() if isinstance(v, bool) else v for k, v in body.items()})
+        unknown = sorted(set(args) - {"name", "src", "pin", "preload"})
+        if unknown:
+            raise bad_request(f"unknown adapter option(s) {', '.join(unknown)}: name, src, pin and preload are "
+                              "understood", unknown[0])
         name, src = args.get("name"), args.get("src")
-        if not name or not src:
+        if not isinstance(name, str) or not name or not isinstance(src, str) or not src:
             raise bad_request("register an adapter with ?name=<adapter name>&src=<its PEFT directory, s3:// prefix "
                               "or hub id>", "name" if not name else "src")
-        pin = str(args.get("pin", "false")).lower()
-        if pin not in ("true", "false"):
-            raise bad_request(f"pin={pin!r}: expected true or false", "pin")
+        pin, preload = str(args.get("pin", "false")).lower(), str(args.get("preload", "true")).lower()
+        for key, value in (("pin", pin), ("preload", preload)):
+            if value not in ("true", "false"):
+                raise bad_request(f"{key}={value!r}: expected true or false", key)
+        # preload: every adapter is read (and checked) when it is registered, whatever it says
         status, message = _register(name, src, pin == "true")
         if status != 200:
             raise HttpError(status, message)

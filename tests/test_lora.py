@@ -188,6 +188,8 @@ def test_a_batch_mixing_the_base_model_and_three_adapters_gives_peft_greedy_toke
 
         monkeypatch.setattr(PagedEngine, "_decode_mode", lambda self: (paged_runner.DECODE_GRAPHS, "test"))
         monkeypatch.setattr(StepBuffers, "STAGE_ON_CPU", True)
+    if sched.get("cpu_compile"):  # dynamo's code cache may hold another test's model's graph (without the LoRA
+        torch._dynamo.reset()    # hooks) whose guards a new model passes when it reuses a freed model's id
     engine = local_engine(lora_model, kind, lora=_lora_options(adapters, max_loras), max_num_seqs=8, **sched)
     if kind == "paged":
         assert engine.paged.target.decode_mode == ("graphs" if max_loras == 2 and not sched else
@@ -257,8 +259,7 @@ def test_adapters_registered_and_unregistered_at_run_time_between_steps(lora_mod
     while engine.has_work():
         engine.step()
         engine.scheduler.check_invariants()
-    order = [o.request_id if not isinstance(o, AdapterReply) else o.request_id for o in sent
-             if isinstance(o, AdapterReply) or o.finished]
+    order = [o.request_id for o in sent if isinstance(o, AdapterReply) or o.finished]
     assert order.index("a") < order.index("unreg"), order
     assert replies()["unreg"] == (200, "Adapter attn-r4 unregistered")
     outs = {}
@@ -276,12 +277,37 @@ def test_adapters_registered_and_unregistered_at_run_time_between_steps(lora_mod
     assert (info.requests, info.prompt_tokens, info.generated_tokens, info.slot) == (1, len(prompt), 8, 1)
 
 
-def test_the_server_serves_adapters_by_lmi_and_tgi_names(start_server, lora_model, adapters, hf):
+def test_the_server_serves_adapters_by_lmi_and_tgi_names(start_server, lora_model, adapters, hf, moto_endpoint,
+                                                         tmp_path):
     """A real server with option.enable_lora: DJL LMI's top-level "adapters" (one per list input, null
-    for the base model) and TGI's adapter_id; an unknown name is a 404 naming the served ones."""
+    for the base model) and TGI's adapter_id; an unknown name is a 404 naming the served ones. all-r2
+    comes from S3 (a real S3-compatible server on loopback) through option.adapters, and again under
+    another name through vLLM's route at run time."""
+    import boto3
+
+    s3 = boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1", aws_access_key_id="testing",
+                      aws_secret_access_key="testing")
+    s3.create_bucket(Bucket="lmi-lora")
+    for path in adapters["all-r2"][0].iterdir():
+        s3.upload_file(str(path), "lmi-lora", f"all-r2/{path.name}")
+    env = {"AWS_ENDPOINT_URL": moto_endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_DEFAULT_REGION": "us-east-1", "AWS_MAX_ATTEMPTS": "1"}
     server = start_server("option.rolling_batch=lmi-dist\noption.dtype=fp32\noption.enable_lora=true\noption.max_loras=2\n"
-                          "option.max_lora_rank=8\n", lora_model)
-    assert "LoRA adapters (rank, slot): attn-r4 (r=4, slot 1), mlp-r8-rs (r=8, slot 2)" in server.log()
+                          f"option.max_lora_rank=8\noption.adapters=all-r2=s3://lmi-lora/all-r2/\n"
+                          f"download_dir={tmp_path / 'downloads'}\n", lora_model, env=env)
+    assert "LoRA adapters (rank, slot): attn-r4 (r=4, slot 1), mlp-r8-rs (r=8, slot 2), all-r2 (r=2, slot -)" \
+        in server.log()
+    resp = server.post({"lora_name": "s3-copy", "lora_path": "s3://lmi-lora/all-r2/"}, path="/v1/load_lora_adapter")
+    assert resp.status_code == 200, resp.text
+    resp = server.post({"lora_name": "x", "lora_path": "s3://lmi-lora/nothing-here/"}, path="/v1/load_lora_adapter")
+    assert resp.status_code == 400 and "no objects under s3://lmi-lora/nothing-here/" in resp.json()["error"]["message"]
+    resp = server.post(None, path="/adapters?name=z&src=/x&rank=4")
+    assert resp.status_code == 400 and resp.json()["error"].startswith("unknown adapter option(s) rank")
+    ids = hf.tokenizer("A small bird")["input_ids"]
+    for name in ("all-r2", "s3-copy"):
+        got = server.post({"inputs": "A small bird", "adapters": name, "parameters": {"max_new_tokens": 6,
+                                                                                      "details": True}}).json()
+        assert [t["id"] for t in got["details"]["tokens"]] == _peft_greedy(adapters["all-r2"][1], ids, 6), name
     texts = ["The river ran", "A small bird", "The river ran"]
     body = server.post({"inputs": texts, "adapters": ["attn-r4", None, "mlp-r8-rs"],
                         "parameters": {"max_new_tokens": 6, "details": True}}).json()
@@ -295,18 +321,20 @@ def test_the_server_serves_adapters_by_lmi_and_tgi_names(start_server, lora_mode
                                                                        hf.tokenizer(texts[1])["input_ids"], 6)
     resp = server.post({"inputs": "Hello", "adapters": "nope"})
     assert resp.status_code == 404, resp.text
-    assert resp.json()["error"] == "no LoRA adapter named 'nope'; this server serves: attn-r4, mlp-r8-rs"
+    assert resp.json()["error"] == "no LoRA adapter named 'nope'; this server serves: attn-r4, mlp-r8-rs, all-r2, " \
+                                   "s3-copy"
     resp = server.post({"inputs": ["a", "b"], "adapters": ["attn-r4"]})
     assert resp.status_code == 400 and '"adapters" holds 1 names for 2 inputs' in resp.json()["error"]
     # OpenAI: `model` naming an adapter (vLLM's convention), and /v1/models listing them
     import openai
 
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
-    assert [m.id for m in client.models.list().data] == ["tiny-llama", "attn-r4", "mlp-r8-rs"]
+    assert [m.id for m in client.models.list().data] == ["tiny-llama", "attn-r4", "mlp-r8-rs", "all-r2", "s3-copy"]
     done = client.completions.create(model="attn-r4", prompt=texts[0], max_tokens=6, temperature=0)
     want = _peft_greedy(adapters["attn-r4"][1], hf.tokenizer(texts[0])["input_ids"], 6)
     assert done.model == "attn-r4" and done.choices[0].text == hf.decode(want)
-    with pytest.raises(openai.NotFoundError, match="this server serves `tiny-llama`, `attn-r4`, `mlp-r8-rs`"):
+    with pytest.raises(openai.NotFoundError, match="this server serves `tiny-llama`, `attn-r4`, `mlp-r8-rs`, "
+                                                   "`all-r2`, `s3-copy`"):
         client.completions.create(model="nope", prompt="Hi", max_tokens=2)
 
 

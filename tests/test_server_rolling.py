@@ -91,7 +91,9 @@ def test_the_first_streamed_token_arrives_long_before_the_last(server):
         "max_new_tokens": 400, "ignore_eos": True}}, stream=True, timeout=60)
     times = [time.monotonic() - started for line in resp.iter_lines() if line]
     assert len(times) == 400
-    assert times[0] < 0.25 * times[-1], (times[0], times[-1])
+    # tokens arrive as they are made (400 steps: >= 0.1 s here), not in one burst at the end (~1 ms from
+    # first to last); measured from the first token, so a pause before it (a GC, a busy host) cannot fail it
+    assert times[-1] - times[0] > 0.05, (times[0], times[-1])
 
 
 def test_sse_when_the_client_accepts_event_streams(server):

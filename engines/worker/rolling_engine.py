@@ -145,10 +145,10 @@ class RollingEngine(EngineLoop):
             self.running = []
             self.batch.target.reset()
             self.fail_step(list(victims), exc)
-            return
-        self._retire()
-        self.publish([out.to_output() for out in outputs.values()])
-        if self.adapters is not None:
+        else:
+            self._retire()
+            self.publish([out.to_output() for out in outputs.values()])
+        if self.adapters is not None:  # adapters waiting to be unregistered go once unused
             self.adapters.retire_unused(self.unfinished_requests())
 
     def _prefill(self, new: list[Request], outputs: dict[str, StepOutput]) -> None:
