@@ -30,28 +30,7 @@
 #define PAIR_VECTORS 64 /* most 32-wide query vectors held for vdpbf16ps: group * head_dim <= 2048 */
 #endif
 
-#define INLINE static inline __attribute__((always_inline))
-
-INLINE float load_elem(const void *p, int64_t i, int bf16) {
-    if (bf16) {
-        uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
-        float f;
-        memcpy(&f, &u, 4);
-        return f;
-    }
-    return ((const float *)p)[i];
-}
-
-INLINE void store_elem(void *p, int64_t i, float x, int bf16) {
-    if (!bf16) {
-        ((float *)p)[i] = x;
-        return;
-    }
-    uint32_t u;
-    memcpy(&u, &x, 4);
-    ((uint16_t *)p)[i] = (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((u >> 16) | 0x40u)  /* NaN stays NaN */
-                                                        : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
+#include "cpu_kernels.h"
 
 /* e^x for x <= 0, without branches or library calls so that a loop of it vectorises: 2^n e^r with
    |r| <= ln2 / 2 (n rounded by the 1.5 * 2^23 trick, ln2 split in two for an exact r), e^r by its

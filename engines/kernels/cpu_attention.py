@@ -30,6 +30,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
+HEADER = SOURCE.with_name("cpu_kernels.h")  # shared by the CPU kernels
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 DTYPES = {torch.float32: "lmi_paged_decode_f32", torch.bfloat16: "lmi_paged_decode_bf16"}
 _failure: list[str] = []  # why the kernel did not build, once load() has failed
@@ -99,7 +100,8 @@ def cached_build(source: Path, what: str) -> Path:
     if cc is None:
         raise BuildError("no C compiler (cc or gcc) on PATH")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([source.read_text(), " ".join(FLAGS), version, _cpu_flags()]).encode()).hexdigest()
+    texts = [source.read_text(), HEADER.read_text()]  # the kernel and what it includes
+    key = hashlib.sha256("\0".join([*texts, " ".join(FLAGS), version, _cpu_flags()]).encode()).hexdigest()
     errors = []
     for directory in _cache_dirs():
         target = directory / f"{source.stem}-{key[:16]}.so"

@@ -22,28 +22,7 @@
 #include <immintrin.h>
 #endif
 
-#define INLINE static inline __attribute__((always_inline))
-
-INLINE float load_elem(const void *p, int64_t i, int bf16) {
-    if (bf16) {
-        uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
-        float f;
-        memcpy(&f, &u, 4);
-        return f;
-    }
-    return ((const float *)p)[i];
-}
-
-INLINE void store_elem(void *p, int64_t i, float x, int bf16) {
-    if (!bf16) {
-        ((float *)p)[i] = x;
-        return;
-    }
-    uint32_t u;
-    memcpy(&u, &x, 4);
-    ((uint16_t *)p)[i] = (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((u >> 16) | 0x40u)
-                                                        : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
+#include "cpu_kernels.h"
 
 /* Positions are taken GROUP at a time, so that each weight element loaded feeds GROUP products held
    in registers (a group past the segment's end, or a padding position, computes on row 0 and is not
