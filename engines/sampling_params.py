@@ -23,10 +23,17 @@ class SamplingParams(msgspec.Struct, frozen=True):
     # OpenAI's echo + logprobs), with top_n_tokens alternatives each. A prompt asking for them is
     # computed whole, not taken from the prefix cache.
     prompt_logprobs: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit) before any sampling setting
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens were generated (vLLM's)
 
     @property
     def has_output_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def has_logit_masks(self) -> bool:
+        """Logits changed per request before sampling (logit_bias, min_tokens)."""
+        return bool(self.logit_bias) or self.min_tokens > 0
 
     @property
     def is_greedy(self) -> bool:

@@ -61,7 +61,9 @@ class Service:
         self.run_dir = run_dir
         self.client = client
         self.tokenizer = tokenizer
-        self.max_model_len = ModelSpec.of(config.model).max_model_len
+        spec = ModelSpec.of(config.model)
+        self.max_model_len = spec.max_model_len
+        self.vocab_size = spec.vocab_size or tokenizer.vocab_size  # logit_bias ids must be below it
         self.is_dynamic = config.scheduler.engine_kind == ENGINE_DYNAMIC
         self.limits = RequestLimits(config.server.max_inputs_per_request, config.server.max_input_chars)
         self.engine_ready = False
@@ -133,6 +135,12 @@ class Service:
         if self.is_dynamic and req.sampling.top_n_tokens:
             raise bad_request("top_n_tokens needs a rolling-batch engine (dynamic batching runs HF generate, "
                               "which keeps no alternatives per token)", "top_n_tokens")
+        if self.is_dynamic and req.sampling.has_logit_masks:
+            raise bad_request("logit_bias and min_tokens need a rolling-batch engine (dynamic batching runs HF "
+                              "generate as it is)", "logit_bias" if req.sampling.logit_bias else "min_tokens")
+        if req.sampling.logit_bias and req.sampling.logit_bias[-1][0] >= self.vocab_size:
+            raise bad_request(f"logit_bias names token {req.sampling.logit_bias[-1][0]}: this model's token ids are "
+                              f"0 .. {self.vocab_size - 1}", "logit_bias")
         if self.is_dynamic and req.sampling.prompt_logprobs:
             raise bad_request("the prompt's log-probabilities (decoder_input_details, echo with logprobs) need a "
                               "rolling-batch engine", "decoder_input_details")

@@ -85,6 +85,7 @@ class Generation:
         self._detok = IncrementalDetokenizer(tokenizer)
         self._tokenizer = tokenizer
         self._stops = StopFilter(req.stop_sequences)
+        self._min_tokens = req.sampling.min_tokens
         self.finish_reason: str | None = None
         self.text_parts: list[str] = []
         self.num_generated_tokens = 0
@@ -150,7 +151,10 @@ class Generation:
                             for i, (tid, lp) in enumerate(zip(self.prompt_ids, out.prompt_log_probs))]
         n = len(out.token_ids)
         for i, tid in enumerate(out.token_ids):
-            text, stopped = self._stops.feed(self._detok.add(tid))
+            if self.num_generated_tokens < self._min_tokens:  # stop strings count from min_tokens on (vLLM)
+                text, stopped = self._detok.add(tid), False
+            else:
+                text, stopped = self._stops.feed(self._detok.add(tid))
             last = stopped or (out.finished and i == n - 1)
             if last and not stopped:
                 text += self._stops.feed(self._detok.flush())[0] + self._stops.flush()

@@ -2,7 +2,7 @@
 OpenAI-only options (n, logprobs, echo, usage in streams).
 
 Field checks reuse the LMI schema's helpers, so a bad value is the same 400 naming the field. A field
-we do not implement (tools, response_format, logit_bias, suffix, ...) or do not know is a 400 naming
+we do not implement (tools, response_format, suffix, ...) or do not know is a 400 naming
 it, unless its value is null (clients send null for "not used"); a silent 200 that ignored it would
 answer a different question than was asked.
 """
@@ -19,9 +19,9 @@ from handlers.schemas import (
 
 COMMON_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
-    "presence_penalty", "frequency_penalty", "user",
+    "presence_penalty", "frequency_penalty", "user", "logit_bias",
     # vLLM's extra sampling parameters
-    "ignore_eos", "top_k", "min_p", "repetition_penalty", "stop_token_ids"})
+    "ignore_eos", "top_k", "min_p", "repetition_penalty", "stop_token_ids", "min_tokens"})
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of"}
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions (vLLM's too)

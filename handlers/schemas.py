@@ -169,7 +169,8 @@ def _check_text(text: str, where: str, limits: RequestLimits | None = None) -> N
 _KNOWN = {"max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "repetition_penalty", "seed",
           "stop_sequences", "stop", "ignore_eos", "ignore_eos_token", "details", "return_full_text",
           "decoder_input_details", "top_n_tokens", "stop_token_ids", "stream", "presence_penalty",
-          "frequency_penalty", "truncate", "min_p", "adapter_id"}  # adapter_id: refused unless empty (_refuse_adapters)
+          "frequency_penalty", "truncate", "min_p", "adapter_id",  # adapter_id: refused unless empty (_refuse_adapters)
+          "logit_bias", "min_tokens", "min_new_tokens"}
 
 
 # Parameters LMI, TGI or vLLM define that we do not implement, with the value that changes nothing
@@ -178,7 +179,7 @@ UNSUPPORTED = {"n": 1, "best_of": 1, "num_beams": 1, "typical_p": 1.0,
                "watermark": False, "grammar": None, "logprobs": None, "prompt_logprobs": None,
                "length_penalty": 1.0, "early_stopping": False, "include_stop_str_in_output": False,
                "skip_special_tokens": True, "spaces_between_special_tokens": True, "use_beam_search": False,
-               "min_tokens": 0, "min_new_tokens": 0, "logit_bias": None, "bad_words": None, "adapters": None}
+               "bad_words": None, "adapters": None}
 
 
 def _refuse_unsupported(params: dict) -> None:
@@ -228,7 +229,48 @@ def sampling_params(params: dict, *, do_sample: bool, max_new_tokens: int, ignor
         frequency_penalty=_number(params, "frequency_penalty", 0.0, minimum=-2.0, maximum=2.0, where=where),
         seed=_int(params, "seed", None, minimum=0, where=where), ignore_eos=ignore_eos,
         stop_token_ids=tuple(_int_list(params, "stop_token_ids", where=where)), top_n_tokens=top_n_tokens,
-        prompt_logprobs=prompt_logprobs)
+        prompt_logprobs=prompt_logprobs, logit_bias=_logit_bias(params, where),
+        min_tokens=_min_tokens(params, max_new_tokens, where))
+
+
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: [-100, 100]
+
+
+def _logit_bias(params: dict, where: str) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias: {token id (a string in JSON, or an int): bias in [-100, 100]} → sorted pairs."""
+    value = params.get("logit_bias")
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise bad_request(f"\"{where}logit_bias\" must be an object mapping token ids to biases, not "
+                          f"{_type_name(value)}", "logit_bias")
+    pairs = {}
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            token = -1
+        if token < 0 or str(token) != str(key).strip():
+            raise bad_request(f"\"{where}logit_bias\" keys must be token ids (non-negative integers), not "
+                              f"{json.dumps(key)}", "logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise bad_request(f"\"{where}logit_bias\" values must be numbers in [-100, 100], not {json.dumps(bias)} "
+                              f"(token {token})", "logit_bias")
+        pairs[token] = float(bias)
+    return tuple(sorted(pairs.items()))
+
+
+def _min_tokens(params: dict, max_new_tokens: int, where: str) -> int:
+    """vLLM's min_tokens (HF's min_new_tokens): at most max_new_tokens."""
+    if params.get("min_tokens") is not None and params.get("min_new_tokens") is not None and \
+            params["min_tokens"] != params["min_new_tokens"]:
+        raise bad_request(f"give \"{where}min_tokens\" or \"{where}min_new_tokens\", not both", "min_tokens")
+    name = "min_new_tokens" if params.get("min_new_tokens") is not None else "min_tokens"
+    value = _int(params, name, 0, minimum=0, where=where)
+    if value > max_new_tokens:
+        raise bad_request(f"\"{where}{name}\" ({value}) must not exceed the maximum number of new tokens "
+                          f"({max_new_tokens})", name)
+    return value
 
 
 def _bool(params: dict, name: str, default, where: str = "parameters."):

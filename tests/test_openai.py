@@ -196,7 +196,7 @@ def test_unknown_model_is_a_404_in_openais_shape(server, client):
 
 @pytest.mark.parametrize("field,value", [
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    ("response_format", {"type": "json_object"}), ("logit_bias", {"5": 10}), ("made_up", 1)])
+    ("response_format", {"type": "json_object"}), ("suffix", "the end"), ("made_up", 1)])
 def test_unsupported_fields_are_a_400_naming_them(server, client, field, value):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model=served_name(server), messages=MESSAGES, extra_body={field: value})
@@ -281,3 +281,27 @@ def test_min_p_reaches_the_sampler_on_every_route(server, client, hf):
     lmi = server.post({"inputs": prompt, "parameters": {"max_new_tokens": 8, "do_sample": True, "temperature": 1.8,
                                                          "min_p": 1.0, "details": True}}).json()
     assert ids_of(lmi) == hf(prompt, 8) and out.choices[0].text == hf.decode(hf(prompt, 8))
+
+
+def test_logit_bias_and_min_tokens_change_the_tokens(server, client, hf):
+    """OpenAI's logit_bias (through the SDK) forces a token; min_tokens (vLLM's extra parameter) and
+    LMI's min_new_tokens hold back a stop id the greedy answer would end on at once."""
+    done = client.completions.create(model=served_name(server), prompt="The river", max_tokens=3, temperature=0,
+                                     logit_bias={"42": 100})
+    assert done.choices[0].text == hf.decode([42, 42, 42])
+    first = hf("The river", 1)[0]
+    plain = server.post({"inputs": "The river", "parameters": {"max_new_tokens": 5, "stop_token_ids": [first],
+                                                              "details": True}}).json()
+    assert [t["id"] for t in plain["details"]["tokens"]] == [first]
+    held = server.post({"inputs": "The river", "parameters": {"max_new_tokens": 5, "min_new_tokens": 3,
+                                                             "stop_token_ids": [first], "details": True}}).json()
+    ids = [t["id"] for t in held["details"]["tokens"]]
+    assert len(ids) >= 3 and first not in ids[:3]
+    chat = client.completions.create(model=served_name(server), prompt="The river", max_tokens=5, temperature=0,
+                                     extra_body={"min_tokens": 3, "stop_token_ids": [first]})
+    assert chat.usage.completion_tokens >= 3
+    with pytest.raises(openai.BadRequestError, match="logit_bias names token 999999: this model's token ids are"):
+        client.completions.create(model=served_name(server), prompt="Hi", max_tokens=2, logit_bias={"999999": 1})
+    with pytest.raises(openai.BadRequestError, match=r"\"min_tokens\" \(9\) must not exceed the maximum number of new "
+                                                     r"tokens \(2\)"):
+        client.completions.create(model=served_name(server), prompt="Hi", max_tokens=2, extra_body={"min_tokens": 9})

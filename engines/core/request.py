@@ -87,9 +87,10 @@ class Request:
 
     @property
     def can_speculate(self) -> bool:
-        """Penalties depend on every token before the one sampled: those requests decode one at a time."""
+        """Penalties depend on every token before the one sampled, logit masks on the count of them:
+        those requests decode one at a time."""
         sp = self.sampling
-        return sp.repetition_penalty == 1.0 and not sp.has_output_penalties
+        return sp.repetition_penalty == 1.0 and not sp.has_output_penalties and not sp.has_logit_masks
 
     @property
     def is_finished(self) -> bool:

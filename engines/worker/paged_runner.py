@@ -76,7 +76,7 @@ class PagedRunner:
         self.buffers: StepBuffers | None = None
         self.states: dict[str, _SeqState] = {}
         self.samples = runner.comm.rank == 0  # the logits land on rank 0 only
-        self.sampler = Sampler(runner.device)
+        self.sampler = Sampler(runner.device, runner.eos_token_ids)
         self.decode_mode = DECODE_EAGER
         self._decode_model = runner.model  # what runs a decode step eagerly (compiled with DECODE_INDUCTOR)
         self.graphs: StepGraphs | None = None

@@ -62,7 +62,7 @@ class RollingEngine(EngineLoop):
         super().__init__(config, publish, comm or SingleProcess())
         self.runner = ModelRunner(config.model, ModelSpec.of(config.model), self.comm)
         self.batch = Mirrored(PaddedBatch(self.runner), self.comm)  # rows in the order of self.running
-        self.sampler = Sampler(self.runner.device)
+        self.sampler = Sampler(self.runner.device, frozenset(self.runner.spec.eos_token_ids))
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self._arrivals = 0

@@ -1,5 +1,5 @@
 """Vectorised per-row sampling: greedy, temperature, top-k, top-p, repetition, presence and frequency
-penalties, seeds, with each request's state kept on the device.
+penalties, logit_bias, min_tokens, seeds, with each request's state kept on the device.
 
 A request is added once (`add`, with its prompt and any tokens it already generated) and sampled
 by id; the sampler keeps, per request, what its penalties need as tensors over the vocabulary —
@@ -59,19 +59,23 @@ def prompt_logprobs(logits: torch.Tensor, targets: list[int], start: int, top_n:
 
 
 class _RequestState:
-    __slots__ = ("params", "generator", "seen", "counts", "pending")
+    __slots__ = ("params", "generator", "seen", "counts", "pending", "num_generated", "bias", "banned")
 
     def __init__(self, params: SamplingParams, generator: torch.Generator | None):
         self.params = params
         self.generator = generator
+        self.num_generated = 0  # tokens it generated (min_tokens)
+        self.bias: tuple[torch.Tensor, torch.Tensor] | None = None  # logit_bias: (ids, values) on the device
+        self.banned: torch.Tensor | None = None  # min_tokens: the ids masked until then (EOS, stop_token_ids)
         self.seen: torch.Tensor | None = None  # [V] bool: prompt and output (repetition penalty)
         self.counts: torch.Tensor | None = None  # [V] float: occurrences in the output (presence, frequency)
         self.pending: tuple[list[int], list[int]] | None = None  # (prompt, output) until the vocabulary is known
 
 
 class Sampler:
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, eos_token_ids: frozenset[int] = frozenset()):
         self.device = device
+        self.eos_token_ids = eos_token_ids  # what min_tokens masks besides a request's stop_token_ids
         self._states: dict[str, _RequestState] = {}
 
     def add(self, request_id: str, params: SamplingParams, prompt_token_ids: list[int] = (),
@@ -86,6 +90,13 @@ class Sampler:
         state = _RequestState(params, g)
         if params.repetition_penalty != 1.0 or params.has_output_penalties:
             state.pending = (list(prompt_token_ids), list(output_token_ids))
+        state.num_generated = len(output_token_ids)
+        if params.logit_bias:
+            state.bias = (to_device([t for t, _ in params.logit_bias], self.device, torch.long),
+                          to_device([b for _, b in params.logit_bias], self.device))
+        if params.min_tokens:
+            banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+            state.banned = to_device(sorted(banned), self.device, torch.long) if banned else None
         self._states[request_id] = state
 
     def remove(self, request_id: str) -> None:
@@ -115,7 +126,7 @@ class Sampler:
         for s in states:
             if s.pending is not None:
                 self._materialise(s, vocab)
-        logits = _apply_penalties(logits, states)
+        logits = _apply_logit_masks(_apply_penalties(logits, states), states)
         sampled_rows = [i for i, p in enumerate(params) if p.do_sample]
         if sampled_rows:
             rows = to_device(sampled_rows, logits.device, torch.long)
@@ -129,6 +140,7 @@ class Sampler:
         top_n = max(p.top_n_tokens for p in params)
         top = log_probs.topk(top_n, dim=-1) if top_n else None
         for i, s in enumerate(states):
+            s.num_generated += 1
             if s.seen is not None:
                 s.seen[chosen[i]] = True
             if s.counts is not None:
@@ -236,6 +248,23 @@ def _apply_penalties(logits: torch.Tensor, states: list[_RequestState]) -> torch
         pres = to_device([states[i].params.presence_penalty for i in out], dev).view(-1, 1)
         logits = logits.index_copy(0, index, logits.index_select(0, index) - freq * counts
                                    - pres * (counts > 0).to(logits.dtype))
+    return logits
+
+
+def _apply_logit_masks(logits: torch.Tensor, states: list[_RequestState]) -> torch.Tensor:
+    """logit_bias added (OpenAI's: to the logits, before temperature and the rest), and for a request
+    short of min_tokens its EOS and stop ids masked; rows that ask only."""
+    rows = [i for i, s in enumerate(states) if s.bias is not None or (s.banned is not None
+                                                                        and s.num_generated < s.params.min_tokens)]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    for i in rows:
+        s = states[i]
+        if s.bias is not None:
+            logits[i].index_add_(0, s.bias[0], s.bias[1].to(logits.dtype))
+        if s.banned is not None and s.num_generated < s.params.min_tokens:
+            logits[i].index_fill_(0, s.banned, float("-inf"))
     return logits
 
 
