@@ -31,16 +31,18 @@ POLL_S = 0.05  # how often a waiting request checks its client and its deadline
 class StopFilter:
     """Feed text deltas; get back what is safe to emit, and whether a stop string was reached."""
 
-    def __init__(self, stops: tuple[str, ...]):
+    def __init__(self, stops: tuple[str, ...], include_stop: bool = False):
         self.stops = stops
+        self.include_stop = include_stop  # the stop string that ended the text stays in it
         self.pending = ""
 
     def feed(self, delta: str) -> tuple[str, bool]:
         text = self.pending + delta
-        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, -len(s), s) for s in self.stops if (i := text.find(s)) >= 0]
+        if found:
+            cut, _, stop = min(found)  # the first to appear (the longest of those starting there)
             self.pending = ""
-            return text[:cut], True
+            return text[:cut + len(stop)] if self.include_stop else text[:cut], True
         hold = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
         self.pending = text[len(text) - hold:] if hold else ""
         return text[: len(text) - hold], False
@@ -82,9 +84,9 @@ class Generation:
         self.num_prompt_tokens = len(prompt_ids)
         self.prompt_ids = prompt_ids
         self.prefill: list[dict] | None = None  # the prompt's tokens with their log-probs, when asked
-        self._detok = IncrementalDetokenizer(tokenizer)
+        self._detok = IncrementalDetokenizer(tokenizer, req.skip_special_tokens)
         self._tokenizer = tokenizer
-        self._stops = StopFilter(req.stop_sequences)
+        self._stops = StopFilter(req.stop_sequences, req.include_stop_str_in_output)
         self._min_tokens = req.sampling.min_tokens
         self.finish_reason: str | None = None
         self.text_parts: list[str] = []

@@ -14,14 +14,15 @@ from dataclasses import dataclass, replace
 from handlers.errors import bad_request
 from handlers.schemas import (
     INT32_MAX, MAX_TOP_N_TOKENS, GenerationRequest, RequestLimits, _bool, _check_text, _int, _number, _stop_sequences,
-    _type_name, sampling_params,
+    _type_name, sampling_params, text_options,
 )
 
 COMMON_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
     "presence_penalty", "frequency_penalty", "user", "logit_bias",
     # vLLM's extra sampling parameters
-    "ignore_eos", "top_k", "min_p", "repetition_penalty", "stop_token_ids", "min_tokens"})
+    "ignore_eos", "top_k", "min_p", "repetition_penalty", "stop_token_ids", "min_tokens",
+    "include_stop_str_in_output", "skip_special_tokens"})
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of"}
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions (vLLM's too)
@@ -93,7 +94,8 @@ def _generation(body: dict, inputs: list[str], is_list: bool, max_tokens: int, t
         ignore_eos=_bool(body, "ignore_eos", False, where=WHERE), prompt_logprobs=prompt_logprobs)
     return GenerationRequest(inputs=inputs, is_list=is_list, sampling=sampling,
                              stream=_bool(body, "stream", False, where=WHERE),
-                             stop_sequences=_stop_sequences(body, "stop", where=WHERE))
+                             stop_sequences=_stop_sequences(body, "stop", where=WHERE),
+                             **text_options(body, where=WHERE))
 
 
 def _options(body: dict, gen: GenerationRequest, **kwargs) -> OpenAIRequest:

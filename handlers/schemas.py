@@ -46,6 +46,8 @@ class GenerationRequest:
     decoder_input_details: bool = False
     truncate: int | None = None  # keep only the last this many prompt tokens (TGI)
     stop_sequences: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False  # vLLM's: the stop string that ended the text stays in it
+    skip_special_tokens: bool = True  # vLLM's: special tokens (EOS, ...) left out of the text
     ignored_parameters: tuple[str, ...] = field(default=())
     adapters: tuple[str | None, ...] = ()  # each input's LoRA adapter (None: the base model); empty: all base
 
@@ -170,15 +172,15 @@ _KNOWN = {"max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "repet
           "stop_sequences", "stop", "ignore_eos", "ignore_eos_token", "details", "return_full_text",
           "decoder_input_details", "top_n_tokens", "stop_token_ids", "stream", "presence_penalty",
           "frequency_penalty", "truncate", "min_p", "adapter_id",  # adapter_id: refused unless empty (_refuse_adapters)
-          "logit_bias", "min_tokens", "min_new_tokens"}
+          "logit_bias", "min_tokens", "min_new_tokens", "include_stop_str_in_output", "skip_special_tokens"}
 
 
 # Parameters LMI, TGI or vLLM define that we do not implement, with the value that changes nothing
 # (accepted); any other value is a 400 naming the parameter, never a 200 that silently ignored it.
 UNSUPPORTED = {"n": 1, "best_of": 1, "num_beams": 1, "typical_p": 1.0,
                "watermark": False, "grammar": None, "logprobs": None, "prompt_logprobs": None,
-               "length_penalty": 1.0, "early_stopping": False, "include_stop_str_in_output": False,
-               "skip_special_tokens": True, "spaces_between_special_tokens": True, "use_beam_search": False,
+               "length_penalty": 1.0, "early_stopping": False, "spaces_between_special_tokens": True,
+               "use_beam_search": False,
                "bad_words": None, "adapters": None}
 
 
@@ -207,7 +209,13 @@ def _build(inputs, is_list, params: dict, stream: bool, default_max_new_tokens: 
         inputs=inputs, is_list=is_list, sampling=sampling, stream=stream,
         details=details, return_full_text=_bool(params, "return_full_text", False),
         decoder_input_details=decoder_input_details, truncate=_int(params, "truncate", None, minimum=1),
-        stop_sequences=_stop_sequences(params), ignored_parameters=ignored)
+        stop_sequences=_stop_sequences(params), ignored_parameters=ignored, **text_options(params))
+
+
+def text_options(params: dict, where: str = "parameters.") -> dict:
+    """How the generated tokens become text (vLLM's options, every route)."""
+    return {"include_stop_str_in_output": _bool(params, "include_stop_str_in_output", False, where=where),
+            "skip_special_tokens": _bool(params, "skip_special_tokens", True, where=where)}
 
 
 def sampling_params(params: dict, *, do_sample: bool, max_new_tokens: int, ignore_eos: bool, top_n_tokens: int,

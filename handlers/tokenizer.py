@@ -45,8 +45,8 @@ class TextTokenizer:
         # other threads, nor the heartbeat that keeps gunicorn from killing the worker
         return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     @property
     def backend(self) -> Tokenizer:
@@ -65,9 +65,10 @@ class IncrementalDetokenizer:
 
     CONTEXT = 4  # tokens decoded before the held ones at flush, for the spacing rules
 
-    def __init__(self, tokenizer: TextTokenizer):
+    def __init__(self, tokenizer: TextTokenizer, skip_special_tokens: bool = True):
         self._tok = tokenizer
-        self._stream = DecodeStream(skip_special_tokens=True)
+        self._skip = skip_special_tokens
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self.ids: list[int] = []
         self._emitted = 0  # ids[:_emitted] are in the deltas returned so far
 
@@ -84,8 +85,8 @@ class IncrementalDetokenizer:
         if self._emitted == len(self.ids):
             return ""
         start = max(0, self._emitted - self.CONTEXT)
-        prefix = self._tok.decode(self.ids[start:self._emitted])
-        full = self._tok.decode(self.ids[start:])
+        prefix = self._tok.decode(self.ids[start:self._emitted], self._skip)
+        full = self._tok.decode(self.ids[start:], self._skip)
         self._emitted = len(self.ids)
-        self._stream = DecodeStream(skip_special_tokens=True)
+        self._stream = DecodeStream(skip_special_tokens=self._skip)
         return full[len(prefix):]

@@ -305,3 +305,24 @@ def test_logit_bias_and_min_tokens_change_the_tokens(server, client, hf):
     with pytest.raises(openai.BadRequestError, match=r"\"min_tokens\" \(9\) must not exceed the maximum number of new "
                                                      r"tokens \(2\)"):
         client.completions.create(model=served_name(server), prompt="Hi", max_tokens=2, extra_body={"min_tokens": 9})
+
+
+def test_include_stop_str_in_output_and_skip_special_tokens(server, client, hf):
+    """vLLM's text options: the stop string that ended the text kept in it; special tokens (EOS,
+    forced here by logit_bias) written out when skip_special_tokens is false."""
+    name = served_name(server)
+    full = client.completions.create(model=name, prompt="The river", max_tokens=12, temperature=0).choices[0].text
+    stop = full[4:7]
+    at = full.find(stop)
+    cut = client.completions.create(model=name, prompt="The river", max_tokens=12, temperature=0, stop=[stop])
+    kept = client.completions.create(model=name, prompt="The river", max_tokens=12, temperature=0, stop=[stop],
+                                     extra_body={"include_stop_str_in_output": True})
+    assert (cut.choices[0].text, kept.choices[0].text) == (full[:at], full[:at + len(stop)])
+    assert kept.choices[0].finish_reason == "stop"
+    eos = hf.tokenizer.eos_token_id
+    body = {"inputs": "The river", "parameters": {"max_new_tokens": 3, "logit_bias": {str(eos): 100}}}
+    answers = [server.post(body).json()]
+    body["parameters"]["skip_special_tokens"] = False
+    answers.append(server.post(body).json())
+    texts = [(a[0] if isinstance(a, list) else a)["generated_text"] for a in answers]
+    assert texts == ["", hf.tokenizer.convert_ids_to_tokens(eos)]
