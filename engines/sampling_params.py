@@ -25,6 +25,9 @@ class SamplingParams(msgspec.Struct, frozen=True):
     prompt_logprobs: bool = False
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit) before any sampling setting
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens were generated (vLLM's)
+    # vLLM's bad_words as token sequences: a sequence's last token is masked whenever the generated
+    # tokens end with the rest of it (a one-token sequence: always)
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
 
     @property
     def has_output_penalties(self) -> bool:
@@ -32,8 +35,8 @@ class SamplingParams(msgspec.Struct, frozen=True):
 
     @property
     def has_logit_masks(self) -> bool:
-        """Logits changed per request before sampling (logit_bias, min_tokens)."""
-        return bool(self.logit_bias) or self.min_tokens > 0
+        """Logits changed per request before sampling (logit_bias, min_tokens, bad_words)."""
+        return bool(self.logit_bias) or self.min_tokens > 0 or bool(self.bad_words_ids)
 
     @property
     def is_greedy(self) -> bool:

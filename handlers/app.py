@@ -135,9 +135,15 @@ class Service:
         if self.is_dynamic and req.sampling.top_n_tokens:
             raise bad_request("top_n_tokens needs a rolling-batch engine (dynamic batching runs HF generate, "
                               "which keeps no alternatives per token)", "top_n_tokens")
+        if req.bad_words:  # vLLM's: each word as it is and after a space (a word's first token differs)
+            ids = {tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                   for word in req.bad_words for text in (word.lstrip(), " " + word.lstrip())}
+            req = replace(req, sampling=msgspec.structs.replace(req.sampling, bad_words_ids=tuple(sorted(w for w in ids
+                                                                                                       if w))))
         if self.is_dynamic and req.sampling.has_logit_masks:
-            raise bad_request("logit_bias and min_tokens need a rolling-batch engine (dynamic batching runs HF "
-                              "generate as it is)", "logit_bias" if req.sampling.logit_bias else "min_tokens")
+            raise bad_request("logit_bias, min_tokens and bad_words need a rolling-batch engine (dynamic batching "
+                              "runs HF generate as it is)", "logit_bias" if req.sampling.logit_bias else
+                              "min_tokens" if req.sampling.min_tokens else "bad_words")
         if req.sampling.logit_bias and req.sampling.logit_bias[-1][0] >= self.vocab_size:
             raise bad_request(f"logit_bias names token {req.sampling.logit_bias[-1][0]}: this model's token ids are "
                               f"0 .. {self.vocab_size - 1}", "logit_bias")

@@ -22,7 +22,7 @@ COMMON_FIELDS = frozenset({
     "presence_penalty", "frequency_penalty", "user", "logit_bias",
     # vLLM's extra sampling parameters
     "ignore_eos", "top_k", "min_p", "repetition_penalty", "stop_token_ids", "min_tokens",
-    "include_stop_str_in_output", "skip_special_tokens"})
+    "include_stop_str_in_output", "skip_special_tokens", "bad_words"})
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of"}
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions (vLLM's too)

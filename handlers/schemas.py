@@ -46,6 +46,7 @@ class GenerationRequest:
     decoder_input_details: bool = False
     truncate: int | None = None  # keep only the last this many prompt tokens (TGI)
     stop_sequences: tuple[str, ...] = ()
+    bad_words: tuple[str, ...] = ()  # vLLM's: tokenized by Service.launch into sampling.bad_words_ids
     include_stop_str_in_output: bool = False  # vLLM's: the stop string that ended the text stays in it
     skip_special_tokens: bool = True  # vLLM's: special tokens (EOS, ...) left out of the text
     ignored_parameters: tuple[str, ...] = field(default=())
@@ -172,7 +173,8 @@ _KNOWN = {"max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "repet
           "stop_sequences", "stop", "ignore_eos", "ignore_eos_token", "details", "return_full_text",
           "decoder_input_details", "top_n_tokens", "stop_token_ids", "stream", "presence_penalty",
           "frequency_penalty", "truncate", "min_p", "adapter_id",  # adapter_id: refused unless empty (_refuse_adapters)
-          "logit_bias", "min_tokens", "min_new_tokens", "include_stop_str_in_output", "skip_special_tokens"}
+          "logit_bias", "min_tokens", "min_new_tokens", "include_stop_str_in_output", "skip_special_tokens",
+          "bad_words"}
 
 
 # Parameters LMI, TGI or vLLM define that we do not implement, with the value that changes nothing
@@ -181,7 +183,7 @@ UNSUPPORTED = {"n": 1, "best_of": 1, "num_beams": 1, "typical_p": 1.0,
                "watermark": False, "grammar": None, "logprobs": None, "prompt_logprobs": None,
                "length_penalty": 1.0, "early_stopping": False, "spaces_between_special_tokens": True,
                "use_beam_search": False,
-               "bad_words": None, "adapters": None}
+               "adapters": None}
 
 
 def _refuse_unsupported(params: dict) -> None:
@@ -215,7 +217,22 @@ def _build(inputs, is_list, params: dict, stream: bool, default_max_new_tokens: 
 def text_options(params: dict, where: str = "parameters.") -> dict:
     """How the generated tokens become text (vLLM's options, every route)."""
     return {"include_stop_str_in_output": _bool(params, "include_stop_str_in_output", False, where=where),
-            "skip_special_tokens": _bool(params, "skip_special_tokens", True, where=where)}
+            "skip_special_tokens": _bool(params, "skip_special_tokens", True, where=where),
+            "bad_words": _bad_words(params, where)}
+
+
+MAX_BAD_WORDS = 256
+
+
+def _bad_words(params: dict, where: str) -> tuple[str, ...]:
+    value = params.get("bad_words")
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(w, str) and w.strip() for w in value) or \
+            len(value) > MAX_BAD_WORDS:
+        raise bad_request(f"\"{where}bad_words\" must be a list of at most {MAX_BAD_WORDS} non-empty strings",
+                          "bad_words")
+    return tuple(value)
 
 
 def sampling_params(params: dict, *, do_sample: bool, max_new_tokens: int, ignore_eos: bool, top_n_tokens: int,

@@ -1,7 +1,8 @@
-"""logit_bias (OpenAI's, added to the logits before sampling) and min_tokens / min_new_tokens (vLLM's
-and HF's: EOS and stop_token_ids masked until that many tokens were generated): the sampler's rows,
-then greedy tokens of both rolling engines equal to transformers' `generate` with its own processors
-(`sequence_bias`, `min_new_tokens`)."""
+"""logit_bias (OpenAI's, added to the logits before sampling), min_tokens / min_new_tokens (vLLM's
+and HF's: EOS and stop_token_ids masked until that many tokens were generated) and bad words
+(vLLM's: a token sequence's last token masked after the rest of it): the sampler's rows, then greedy
+tokens of both rolling engines equal to transformers' `generate` with its own processors
+(`sequence_bias`, `min_new_tokens`, `bad_words_ids`)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,15 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     assert got == [[3, 2], [3, 2], [2, 2]]  # with ignore_eos, EOS is no stop: never masked
 
 
+def test_a_bad_words_last_token_is_masked_after_the_rest_of_it():
+    logits = torch.zeros(1, 10)
+    logits[0, 4], logits[0, 6], logits[0, 3] = 3.0, 2.0, 1.0  # preference: 4, then 6, then 3
+    sampler = Sampler(CPU)
+    sampler.add("r", SamplingParams(bad_words_ids=((6,), (4, 4))), output_token_ids=[1])
+    got = [sampler.sample(logits.clone(), ["r"]).token_ids[0] for _ in range(3)]
+    assert got == [4, 3, 4]  # 6 never; 4 again only after a token that is not 4
+
+
 @pytest.mark.parametrize("kind", ["paged", "rolling"])
 def test_both_engines_give_transformers_tokens_with_its_own_processors(tiny_model, kind):
     from transformers import AutoModelForCausalLM
@@ -58,13 +68,17 @@ def test_both_engines_give_transformers_tokens_with_its_own_processors(tiny_mode
     stop = plain[0]  # the first token greedy picks, made a stop id: without min_tokens the answer ends there
     want_min = hf(min_new_tokens=4, eos_token_id=[2, stop])
     want_bias = hf(sequence_bias={(plain[1],): 6.0, (plain[2],): -100.0})
-    assert want_min[0] != stop and len(want_min) >= 4 and want_bias != plain
+    bad = ((plain[5],), (plain[2], plain[3]))  # (transformers also matches across the prompt: not here)
+    assert prompt[-1] != plain[2] and plain[1] != plain[2]
+    want_bad = hf(bad_words_ids=[list(w) for w in bad])
+    assert want_min[0] != stop and len(want_min) >= 4 and want_bias != plain and want_bad != plain
     engine = local_engine(tiny_model, kind)
     outs = drive_engine(engine, [
         ("min", prompt, SamplingParams(max_new_tokens=8, min_tokens=4, stop_token_ids=(stop,))),
         ("stop", prompt, SamplingParams(max_new_tokens=8, stop_token_ids=(stop,))),
         ("bias", prompt, SamplingParams(max_new_tokens=8, logit_bias=((plain[1], 6.0), (plain[2], -100.0)))),
+        ("bad", prompt, SamplingParams(max_new_tokens=8, bad_words_ids=bad)),
         ("plain", prompt, SamplingParams(max_new_tokens=8))])
     got = {rid: output_tokens(o) for rid, o in outs.items()}
-    assert got == {"min": want_min, "stop": [stop], "bias": want_bias, "plain": plain[:plain.index(2) + 1]
-                   if 2 in plain else plain}
+    assert got == {"min": want_min, "stop": [stop], "bias": want_bias, "bad": want_bad,
+                   "plain": plain[:plain.index(2) + 1] if 2 in plain else plain}

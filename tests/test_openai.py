@@ -326,3 +326,14 @@ def test_include_stop_str_in_output_and_skip_special_tokens(server, client, hf):
     answers.append(server.post(body).json())
     texts = [(a[0] if isinstance(a, list) else a)["generated_text"] for a in answers]
     assert texts == ["", hf.tokenizer.convert_ids_to_tokens(eos)]
+
+
+def test_bad_words_keep_a_word_out_of_the_answer(server, client):
+    name = served_name(server)
+    full = client.completions.create(model=name, prompt="The river", max_tokens=8, temperature=0).choices[0].text
+    word = full.split()[0]
+    banned = client.completions.create(model=name, prompt="The river", max_tokens=8, temperature=0,
+                                       extra_body={"bad_words": [word]}).choices[0].text
+    assert banned != full and banned.split()[:1] != [word], (full, banned)
+    with pytest.raises(openai.BadRequestError, match="must be a list of at most 256 non-empty strings"):
+        client.completions.create(model=name, prompt="Hi", max_tokens=2, extra_body={"bad_words": [""]})

@@ -1,5 +1,5 @@
 """Vectorised per-row sampling: greedy, temperature, top-k, top-p, repetition, presence and frequency
-penalties, logit_bias, min_tokens, seeds, with each request's state kept on the device.
+penalties, logit_bias, min_tokens, bad words, seeds, with each request's state kept on the device.
 
 A request is added once (`add`, with its prompt and any tokens it already generated) and sampled
 by id; the sampler keeps, per request, what its penalties need as tensors over the vocabulary —
@@ -59,7 +59,7 @@ def prompt_logprobs(logits: torch.Tensor, targets: list[int], start: int, top_n:
 
 
 class _RequestState:
-    __slots__ = ("params", "generator", "seen", "counts", "pending", "num_generated", "bias", "banned")
+    __slots__ = ("params", "generator", "seen", "counts", "pending", "num_generated", "bias", "banned", "recent")
 
     def __init__(self, params: SamplingParams, generator: torch.Generator | None):
         self.params = params
@@ -67,6 +67,7 @@ class _RequestState:
         self.num_generated = 0  # tokens it generated (min_tokens)
         self.bias: tuple[torch.Tensor, torch.Tensor] | None = None  # logit_bias: (ids, values) on the device
         self.banned: torch.Tensor | None = None  # min_tokens: the ids masked until then (EOS, stop_token_ids)
+        self.recent: list[int] | None = None  # bad words: the last generated tokens (as many as the longest needs)
         self.seen: torch.Tensor | None = None  # [V] bool: prompt and output (repetition penalty)
         self.counts: torch.Tensor | None = None  # [V] float: occurrences in the output (presence, frequency)
         self.pending: tuple[list[int], list[int]] | None = None  # (prompt, output) until the vocabulary is known
@@ -94,6 +95,8 @@ class Sampler:
         if params.logit_bias:
             state.bias = (to_device([t for t, _ in params.logit_bias], self.device, torch.long),
                           to_device([b for _, b in params.logit_bias], self.device))
+        if params.bad_words_ids:
+            state.recent = list(output_token_ids)[-max(len(w) for w in params.bad_words_ids):]
         if params.min_tokens:
             banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
             state.banned = to_device(sorted(banned), self.device, torch.long) if banned else None
@@ -141,6 +144,8 @@ class Sampler:
         top = log_probs.topk(top_n, dim=-1) if top_n else None
         for i, s in enumerate(states):
             s.num_generated += 1
+            if s.recent is not None:  # (a host read, for the rows with bad words only)
+                s.recent = (s.recent + [int(chosen[i])])[-max(len(w) for w in s.params.bad_words_ids):]
             if s.seen is not None:
                 s.seen[chosen[i]] = True
             if s.counts is not None:
@@ -254,8 +259,8 @@ def _apply_penalties(logits: torch.Tensor, states: list[_RequestState]) -> torch
 def _apply_logit_masks(logits: torch.Tensor, states: list[_RequestState]) -> torch.Tensor:
     """logit_bias added (OpenAI's: to the logits, before temperature and the rest), and for a request
     short of min_tokens its EOS and stop ids masked; rows that ask only."""
-    rows = [i for i, s in enumerate(states) if s.bias is not None or (s.banned is not None
-                                                                        and s.num_generated < s.params.min_tokens)]
+    rows = [i for i, s in enumerate(states) if s.bias is not None or s.recent is not None
+            or (s.banned is not None and s.num_generated < s.params.min_tokens)]
     if not rows:
         return logits
     logits = logits.clone()
@@ -265,6 +270,11 @@ def _apply_logit_masks(logits: torch.Tensor, states: list[_RequestState]) -> tor
             logits[i].index_add_(0, s.bias[0], s.bias[1].to(logits.dtype))
         if s.banned is not None and s.num_generated < s.params.min_tokens:
             logits[i].index_fill_(0, s.banned, float("-inf"))
+        if s.recent is not None:
+            bad = [w[-1] for w in s.params.bad_words_ids if len(w) == 1 or s.recent[len(s.recent) - len(w) + 1:]
+                   == list(w[:-1])]
+            if bad:
+                logits[i, bad] = float("-inf")
     return logits
 
 
