@@ -12,6 +12,7 @@ class SamplingParams(msgspec.Struct, frozen=True):
     top_k: int = 0  # 0: no top-k cut
     top_p: float = 1.0
     min_p: float = 0.0  # vLLM's: drop tokens less likely than min_p × the most likely one's probability
+    typical_p: float = 1.0  # TGI's / HF's locally typical sampling: the tokens nearest the entropy, this mass
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0  # OpenAI/vLLM: subtracted once from each token already generated
     frequency_penalty: float = 0.0  # OpenAI/vLLM: subtracted per occurrence in the generated tokens

@@ -174,12 +174,12 @@ _KNOWN = {"max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "repet
           "decoder_input_details", "top_n_tokens", "stop_token_ids", "stream", "presence_penalty",
           "frequency_penalty", "truncate", "min_p", "adapter_id",  # adapter_id: refused unless empty (_refuse_adapters)
           "logit_bias", "min_tokens", "min_new_tokens", "include_stop_str_in_output", "skip_special_tokens",
-          "bad_words"}
+          "bad_words", "typical_p"}
 
 
 # Parameters LMI, TGI or vLLM define that we do not implement, with the value that changes nothing
 # (accepted); any other value is a 400 naming the parameter, never a 200 that silently ignored it.
-UNSUPPORTED = {"n": 1, "best_of": 1, "num_beams": 1, "typical_p": 1.0,
+UNSUPPORTED = {"n": 1, "best_of": 1, "num_beams": 1,
                "watermark": False, "grammar": None, "logprobs": None, "prompt_logprobs": None,
                "length_penalty": 1.0, "early_stopping": False, "spaces_between_special_tokens": True,
                "use_beam_search": False,
@@ -249,6 +249,7 @@ def sampling_params(params: dict, *, do_sample: bool, max_new_tokens: int, ignor
         temperature=1.0 if is_greedy else max(temperature, MIN_TEMPERATURE),
         top_k=max(top_k, 0), top_p=top_p,
         min_p=_number(params, "min_p", 0.0, minimum=0.0, maximum=1.0, where=where),
+        typical_p=_number(params, "typical_p", 1.0, minimum=0.0, maximum=1.0, open_low=True, where=where),
         repetition_penalty=min(max(penalty, REPETITION_PENALTY_RANGE[0]), REPETITION_PENALTY_RANGE[1]),
         presence_penalty=_number(params, "presence_penalty", 0.0, minimum=-2.0, maximum=2.0, where=where),
         frequency_penalty=_number(params, "frequency_penalty", 0.0, minimum=-2.0, maximum=2.0, where=where),

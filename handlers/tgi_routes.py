@@ -3,7 +3,7 @@ route, which the `text-generation` client calls: `"stream"` picks the stream, el
 one-element array), `GET /info`; with `option.tgi_compat=true`, `/invocations` answers as `POST /`.
 
 The request is TGI's `{"inputs", "parameters"}`, which is the LMI schema, so it goes through the
-same parser (TGI's `stop`, `details`, `top_n_tokens`, `truncate`, ... included; `best_of`, `typical_p`,
+same parser (TGI's `stop`, `details`, `top_n_tokens`, `truncate`, ... included; `best_of`,
 `watermark`, `grammar` are 400s naming them; `decoder_input_details` fills `prefill`). Tokens are
 TGI's `{"id", "text", "logprob", "special"}`. Rolling engines only, as streaming needs them.
 """

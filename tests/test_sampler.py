@@ -346,3 +346,20 @@ def test_adding_a_known_request_again_keeps_its_state():
     first = run_steps(s, logits[:4], ["x"])[0]
     s.add("x", p, [], first)  # no reset
     assert first + run_steps(s, logits[4:], ["x"])[0] == straight
+
+
+@pytest.mark.parametrize("mass", [0.2, 0.5, 0.9])
+def test_typical_p_keeps_exactly_the_tokens_hf_typical_keeps(mass):
+    from transformers import TypicalLogitsWarper
+
+    torch.manual_seed(1)
+    logits = torch.randn(3, 40) * 2
+    want = TypicalLogitsWarper(mass)(None, logits.clone()).isfinite()
+    from engines.worker.sampler import _warp
+
+    got = _warp(logits.clone(), [SamplingParams(do_sample=True, typical_p=mass)] * 3).isfinite()
+    assert torch.equal(got, want)
+    sampler = Sampler(torch.device("cpu"))
+    sampler.add("t", SamplingParams(do_sample=True, typical_p=mass, seed=3))
+    drawn = {sampler.sample(logits[:1].clone(), ["t"]).token_ids[0] for _ in range(50)}
+    assert drawn <= set(want[0].nonzero().view(-1).tolist())

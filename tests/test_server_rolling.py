@@ -189,7 +189,7 @@ def test_hf_fallback_path_with_gpt2_equals_hf_generate(tmp_path, start_server):
     assert wait_idle(srv)["kv_slots"] == 0
 
 
-@pytest.mark.parametrize("name,value", [("n", 2), ("best_of", 3), ("typical_p", 0.5), ("logprobs", 1)])
+@pytest.mark.parametrize("name,value", [("n", 2), ("best_of", 3), ("num_beams", 2), ("logprobs", 1)])
 def test_defined_but_unimplemented_parameters_are_a_400_naming_them(server, name, value):
     resp = server.post({"inputs": "hi", "parameters": {name: value}})
     assert resp.status_code == 400

@@ -65,7 +65,7 @@ class HFGenerator:
         from transformers import GenerationConfig
 
         sampling = dict(temperature=params.temperature, top_k=params.top_k or None, top_p=params.top_p,
-                        min_p=params.min_p or None) if params.do_sample else {}
+                        min_p=params.min_p or None, typical_p=params.typical_p) if params.do_sample else {}
         return GenerationConfig(
             max_new_tokens=params.max_new_tokens, do_sample=params.do_sample,
             repetition_penalty=params.repetition_penalty, pad_token_id=self.pad_token_id,

@@ -279,8 +279,8 @@ def _apply_logit_masks(logits: torch.Tensor, states: list[_RequestState]) -> tor
 
 
 def _warp(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Temperature for every row, then min-p, top-k and top-p for the rows that ask ([n, V] → [n, V]
-    with -inf outside); only top-k/top-p rows sort the vocabulary."""
+    """Temperature for every row, then min-p, top-k, top-p and typical-p for the rows that ask ([n, V] →
+    [n, V] with -inf outside); only top-k/top-p/typical-p rows sort the vocabulary."""
     dev = logits.device
     logits = logits / to_device([p.temperature for p in params], dev).view(-1, 1)
     vocab = logits.shape[1]
@@ -293,7 +293,7 @@ def _warp(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         logits = logits.index_copy(0, index, rows.masked_fill(probs < floor, float("-inf")))
     cut = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
     if not cut:
-        return logits
+        return _typical(logits, params)
     index = to_device(cut, dev, torch.long)
     rows = logits.index_select(0, index)
     ks = to_device([params[i].top_k if 0 < params[i].top_k < vocab else vocab for i in cut], dev, torch.long)
@@ -307,4 +307,27 @@ def _warp(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         drop |= before >= top_ps  # keep the smallest prefix whose mass reaches top_p
     drop[:, 0] = False  # the best token always stays (a top_p that rounds to 0 in float32 must not empty a row)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return logits.index_copy(0, index, torch.empty_like(rows).scatter_(1, order, sorted_logits))
+    return _typical(logits.index_copy(0, index, torch.empty_like(rows).scatter_(1, order, sorted_logits)), params)
+
+
+def _typical(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Locally typical sampling as transformers' TypicalLogitsWarper (after top-k / top-p): order the
+    tokens by |-log p - H| (H: the row's entropy), keep the smallest prefix whose mass exceeds
+    typical_p (at least one token)."""
+    rows_asking = [i for i, p in enumerate(params) if p.typical_p < 1.0]
+    if not rows_asking:
+        return logits
+    dev = logits.device
+    index = to_device(rows_asking, dev, torch.long)
+    rows = logits.index_select(0, index)
+    log_p = rows.log_softmax(dim=-1)
+    p = log_p.exp()
+    entropy = -(log_p * p).nan_to_num().sum(dim=-1, keepdim=True)
+    shifted, order = (-log_p - entropy).abs().sort(dim=-1)
+    cumulative = rows.gather(1, order).softmax(dim=-1).cumsum(dim=-1)
+    mass = to_device([params[i].typical_p for i in rows_asking], dev).view(-1, 1)
+    last = (cumulative < mass).sum(dim=-1, keepdim=True).clamp(max=rows.shape[1] - 1)
+    drop_sorted = shifted > shifted.gather(1, last)
+    drop_sorted[:, 0] = False  # the most typical token always stays
+    drop = drop_sorted.scatter(1, order, drop_sorted)
+    return logits.index_copy(0, index, rows.masked_fill(drop, float("-inf")))
