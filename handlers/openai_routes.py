@@ -23,6 +23,16 @@ from handlers.schemas import parse_body
 log = logging.getLogger("handlers.openai")
 
 
+def best_choices(gens: list, tokens: list[list[dict]], best_of: int, n: int) -> tuple[list, list[list[dict]]]:
+    """best_of generations per prompt → its n of highest cumulative log-prob (vLLM's ranking), best first."""
+    def score(k: int) -> float:
+        return sum(t["log_prob"] if t.get("log_prob") is not None else float("-inf") for t in tokens[k])
+
+    keep = [k for start in range(0, len(gens), best_of)
+            for k in sorted(range(start, start + best_of), key=lambda k: -score(k))[:n]]
+    return [gens[k] for k in keep], [tokens[k] for k in keep]
+
+
 def register(app: Flask, service, read_body: Callable[[], bytes], to_json: Callable[[object, int], Response]):
     model_name = service.config.server.served_model_name
 
@@ -71,7 +81,7 @@ def register(app: Flask, service, read_body: Callable[[], bytes], to_json: Calla
             log.info("[%s] user=%r", g.log_id, req.user)
         service.require_ready()
         gen = replace(req.gen, adapters=(adapter,) * len(prompts)) if adapter else req.gen
-        gens = service.launch(gen, prompts, g.request_id, copies=req.n)
+        gens = service.launch(gen, prompts, g.request_id, copies=req.best_of or req.n)
         sock = request.environ.get("gunicorn.socket")
         is_gone = lambda: client_gone(sock)  # noqa: E731
         deadline = service.deadline()
@@ -89,6 +99,8 @@ def register(app: Flask, service, read_body: Callable[[], bytes], to_json: Calla
                 gen.close()
         log.info("[%s] %s: %d choice(s), %s tokens%s", g.log_id, kind, len(gens),
                  [gen.num_generated_tokens for gen in gens], f", LoRA adapter {adapter}" if adapter else "")
+        if req.best_of:  # the n best of best_of per prompt
+            gens, tokens = best_choices(gens, tokens, req.best_of, req.n)
         return to_json(response(kind, req, gens, tokens, adapter or model_name, decode), 200)
 
     def _adapter(model: str | None) -> str | None:

@@ -34,6 +34,7 @@ WHERE = ""  # OpenAI fields live at the top level of the body
 class OpenAIRequest:
     gen: GenerationRequest  # chat: inputs are filled in once the template has rendered the messages
     n: int = 1  # choices per prompt
+    best_of: int = 0  # completions: generated per prompt, the n of highest cumulative log-prob returned (0: n)
     logprobs: bool = False
     top_logprobs: int = 0
     echo: bool = False
@@ -79,11 +80,13 @@ def parse_completion(body: dict, *, limits: RequestLimits, vocab_size: int) -> O
     gen = _generation(body, texts, True, max_tokens, logprobs or 0, prompt_logprobs=echo and logprobs is not None)
     req = _options(body, gen, logprobs=logprobs is not None, top_logprobs=logprobs or 0, echo=echo,
                    prompt_ids=tuple(tuple(p) for p in ids))
-    best_of = _int(body, "best_of", None, minimum=1, where=WHERE)
-    if best_of is not None and best_of != req.n:
-        raise bad_request("\"best_of\" other than \"n\" is not supported (no server-side ranking of choices)",
+    best_of = _int(body, "best_of", None, minimum=1, maximum=128, where=WHERE)
+    if best_of is not None and best_of < req.n:
+        raise bad_request(f"\"best_of\" ({best_of}) must be at least \"n\" ({req.n})", "best_of")
+    if best_of is not None and best_of > req.n and req.gen.stream:
+        raise bad_request("\"best_of\" greater than \"n\" cannot stream: the best choices are known at the end",
                           "best_of")
-    return req
+    return replace(req, best_of=best_of) if best_of and best_of > req.n else req
 
 
 def _generation(body: dict, inputs: list[str], is_list: bool, max_tokens: int, top_n: int,

@@ -337,3 +337,20 @@ def test_bad_words_keep_a_word_out_of_the_answer(server, client):
     assert banned != full and banned.split()[:1] != [word], (full, banned)
     with pytest.raises(openai.BadRequestError, match="must be a list of at most 256 non-empty strings"):
         client.completions.create(model=name, prompt="Hi", max_tokens=2, extra_body={"bad_words": [""]})
+
+
+def test_best_of_returns_the_n_choices_of_highest_cumulative_log_prob(server, client):
+    """best_of 4, n 2, seeded: the same four generations as n 4 with that seed (copy k samples with
+    seed + k), of which the two with the highest summed token log-probs come back, best first."""
+    name = served_name(server)
+    four = client.completions.create(model=name, prompt="The river", max_tokens=6, n=4, seed=7, temperature=1.0,
+                                     logprobs=1)
+    ranked = sorted(four.choices, key=lambda c: -sum(c.logprobs.token_logprobs))
+    best = client.completions.create(model=name, prompt="The river", max_tokens=6, n=2, best_of=4, seed=7,
+                                     temperature=1.0)
+    assert [c.text for c in best.choices] == [c.text for c in ranked[:2]]
+    assert [c.index for c in best.choices] == [0, 1]
+    with pytest.raises(openai.BadRequestError, match=r"\"best_of\" \(1\) must be at least \"n\" \(2\)"):
+        client.completions.create(model=name, prompt="Hi", max_tokens=2, n=2, best_of=1)
+    with pytest.raises(openai.BadRequestError, match="cannot stream"):
+        client.completions.create(model=name, prompt="Hi", max_tokens=2, best_of=2, stream=True)
