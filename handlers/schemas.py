@@ -186,11 +186,24 @@ UNSUPPORTED = {"n": 1, "best_of": 1, "num_beams": 1,
                "adapters": None}
 
 
+# Why (docs/decisions.md), said in the 400.
+_BEAM_SEARCH = ("beam search is not built: requests decode greedily or sample, one sequence each (vLLM too took "
+                "beam search out of its engine core); ask for several candidates with the OpenAI routes' n or best_of")
+WHY_UNSUPPORTED = {
+    "num_beams": _BEAM_SEARCH, "use_beam_search": _BEAM_SEARCH, "length_penalty": _BEAM_SEARCH,
+    "early_stopping": _BEAM_SEARCH,
+    "n": "several choices per prompt are the OpenAI routes' n", "best_of": "ranked choices are /v1/completions' best_of",
+    "watermark": "watermarking is not built", "grammar": "constrained decoding is not built yet",
+    "spaces_between_special_tokens": "special tokens are written as the tokenizer decodes them",
+}
+
+
 def _refuse_unsupported(params: dict) -> None:
     for name, harmless in UNSUPPORTED.items():
         value = params.get(name)
         if value is not None and value != harmless and value not in ({}, []):
-            raise bad_request(f"\"parameters.{name}\" is not supported by lmi-serve (only {json.dumps(harmless)}); "
+            why = f": {WHY_UNSUPPORTED[name]}" if name in WHY_UNSUPPORTED else ""
+            raise bad_request(f"\"parameters.{name}\" is not supported by lmi-serve (only {json.dumps(harmless)}){why}; "
                               "remove it", name)
 
 

@@ -194,6 +194,8 @@ def test_defined_but_unimplemented_parameters_are_a_400_naming_them(server, name
     resp = server.post({"inputs": "hi", "parameters": {name: value}})
     assert resp.status_code == 400
     assert resp.json()["error"].startswith(f"\"parameters.{name}\" is not supported by lmi-serve")
+    if name == "num_beams":  # the reason is in the answer
+        assert "beam search is not built" in resp.json()["error"]
 
 
 def test_harmless_values_of_unimplemented_parameters_and_unknown_names_are_accepted(server):
