@@ -257,8 +257,9 @@ def _apply_penalties(logits: torch.Tensor, states: list[_RequestState]) -> torch
 
 
 def _apply_logit_masks(logits: torch.Tensor, states: list[_RequestState]) -> torch.Tensor:
-    """logit_bias added (OpenAI's: to the logits, before temperature and the rest), and for a request
-    short of min_tokens its EOS and stop ids masked; rows that ask only."""
+    """logit_bias added (OpenAI's: to the logits, before temperature and the rest); for a request short
+    of min_tokens its EOS and stop ids masked; a bad word's last token masked when the generated tokens
+    end with the rest of it; rows that ask only."""
     rows = [i for i, s in enumerate(states) if s.bias is not None or s.recent is not None
             or (s.banned is not None and s.num_generated < s.params.min_tokens)]
     if not rows:
