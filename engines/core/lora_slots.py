@@ -6,6 +6,7 @@ Python, no torch).
     acquire(name)  a request is admitted: its adapter's slot, loading it first when it is not
                    resident (into a free slot, else the least recently used slot nobody holds)
     release(name)  a request leaves the running batch (finished, aborted, preempted)
+    hold(req) / let_go(req)   the same for a request, remembered on it (both engines use these)
 
 A running request holds its adapter's slot, so an adapter in use is never evicted; a slot nobody
 holds keeps its adapter (the next request for it loads nothing) until another adapter needs the
@@ -16,6 +17,8 @@ slot held) waits; requests behind it for resident adapters go on.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
+
+from engines.core.request import Request
 
 
 class LoraSlots:
@@ -48,6 +51,21 @@ class LoraSlots:
         self._idle.pop(name, None)
         self.num_holders[name] += 1
         return slot, load
+
+    def hold(self, req: Request) -> int | None:
+        """A request joins the running batch: its adapter's slot held until `let_go(req)`. → the slot to
+        load the adapter into first, or None when it is resident already (or the request has none)."""
+        if req.lora_name is None:
+            return None
+        slot, load = self.acquire(req.lora_name)
+        req.holds_lora_slot = True
+        return slot if load else None
+
+    def let_go(self, req: Request) -> None:
+        """A request leaves the running batch (finished, aborted, preempted): its slot, if it held one."""
+        if req.holds_lora_slot:
+            req.holds_lora_slot = False
+            self.release(req.lora_name)
 
     def release(self, name: str) -> None:
         self.num_holders[name] -= 1

@@ -282,11 +282,9 @@ class Scheduler:
             if probe is not None:
                 computing.add(probe)
             self.running.append(req)
-            if req.lora_name is not None:
-                slot, load = self.lora_slots.acquire(req.lora_name)
-                req.holds_lora_slot = True
-                if load:
-                    out.lora_loads.append(LoraLoad(slot, req.lora_name))
+            load = self.lora_slots.hold(req) if self.lora_slots is not None else None
+            if load is not None:
+                out.lora_loads.append(LoraLoad(load, req.lora_name))
             self._record(req, num_new, out)
             budget -= num_new
 
@@ -327,9 +325,8 @@ class Scheduler:
             self._finished_ids.append(req.request_id)
 
     def _release_lora_slot(self, req: Request) -> None:
-        if req.holds_lora_slot:
-            req.holds_lora_slot = False
-            self.lora_slots.release(req.lora_name)
+        if self.lora_slots is not None:
+            self.lora_slots.let_go(req)
 
 
 def _in_flight_counts(req: Request) -> tuple[int, int]:

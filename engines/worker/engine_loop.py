@@ -73,6 +73,12 @@ class EngineLoop(abc.ABC):
                                         "without them")
         self.adapters.command(msg, self.unfinished_requests())
 
+    def retire_unregistered_adapters(self) -> None:
+        """Adapters asked to go leave once no request uses them (between steps; nothing to do, and no
+        request map built, while none is being unregistered)."""
+        if self.adapters is not None and self.adapters.unregistering:
+            self.adapters.retire_unused(self.unfinished_requests())
+
     def unfinished_requests(self) -> dict:
         """Request id → Request, waiting or running (the LoRA registry's view)."""
         return {}

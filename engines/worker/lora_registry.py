@@ -49,16 +49,16 @@ class LoraRegistry:
         """Why a request for this adapter cannot be taken (None: it can)."""
         if name in self.unregistering:
             return f"LoRA adapter {name!r} is being unregistered"
-        if name not in self.stats:
-            return f"no LoRA adapter named {name!r}; this server serves: {', '.join(self.stats) or 'none'}"
-        return None
+        return self._unknown(name) if name not in self.stats else None
+
+    def _unknown(self, name: str) -> str:
+        return f"no LoRA adapter named {name!r}; this server serves: {', '.join(self.stats) or 'none'}"
 
     def command(self, msg: AdapterCommand, requests: dict[str, Request]) -> None:
         if msg.action == ADAPTER_REGISTER:
             self._register(msg)
         elif msg.name not in self.stats:
-            self._reply(msg, 404, f"no LoRA adapter named {msg.name!r}; this server serves: "
-                                  f"{', '.join(self.stats) or 'none'}")
+            self._reply(msg, 404, self._unknown(msg.name))
         else:
             self.unregistering.setdefault(msg.name, []).append(msg)
             self.retire_unused(requests)
@@ -105,20 +105,12 @@ class LoraRegistry:
     def hold_slot(self, req: Request) -> bool:
         """The padded engine admits a request: its adapter's slot held (loaded first on every rank when
         it is not resident); False when every slot is held by other adapters' rows."""
-        if req.lora_name is None:
-            return True
-        if not self.slots.can_acquire(req.lora_name):
+        if req.lora_name is not None and not self.slots.can_acquire(req.lora_name):
             return False
-        slot, load = self.slots.acquire(req.lora_name)
-        if load:
-            self.ranks.call(ActivateLora(slot, req.lora_name))
-        req.holds_lora_slot = True
+        load = self.slots.hold(req)
+        if load is not None:
+            self.ranks.call(ActivateLora(load, req.lora_name))
         return True
-
-    def release_slot(self, req: Request) -> None:
-        if req.holds_lora_slot:
-            req.holds_lora_slot = False
-            self.slots.release(req.lora_name)
 
     def finished(self, req: Request) -> None:
         stats = self.stats.get(req.lora_name) if req.lora_name is not None else None

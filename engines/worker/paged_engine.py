@@ -184,8 +184,7 @@ class PagedEngine(EngineLoop):
 
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
-        if self.adapters is not None:
-            self.adapters.retire_unused(self.scheduler.requests)
+        self.retire_unregistered_adapters()
         self._prompt.drop(request_id)
         if self.proposer is not None:
             self.proposer.drop(request_id)
@@ -197,8 +196,7 @@ class PagedEngine(EngineLoop):
         per step: the plan (the sampled tokens reach the other ranks within the step)."""
         self.num_steps += 1
         self.stepper.step()
-        if self.adapters is not None:
-            self.adapters.retire_unused(self.scheduler.requests)
+        self.retire_unregistered_adapters()
 
     # -- what the steppers call --------------------------------------------------------------------
     def run_plan(self, plan: StepPlan, pipelined: bool) -> StepResult | None:

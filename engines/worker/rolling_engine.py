@@ -119,8 +119,7 @@ class RollingEngine(EngineLoop):
         for req in self.waiting:
             if req.request_id == request_id:
                 self.waiting.remove(req)
-                if self.adapters is not None:
-                    self.adapters.retire_unused(self.unfinished_requests())
+                self.retire_unregistered_adapters()
                 return
         for req in self.running:
             if req.request_id == request_id and not req.is_finished:
@@ -141,15 +140,14 @@ class RollingEngine(EngineLoop):
             for rid, req in victims.items():
                 self.sampler.remove(rid)
                 if self.adapters is not None:
-                    self.adapters.release_slot(req)
+                    self.adapters.slots.let_go(req)
             self.running = []
             self.batch.target.reset()
             self.fail_step(list(victims), exc)
         else:
             self._retire()
             self.publish([out.to_output() for out in outputs.values()])
-        if self.adapters is not None:  # adapters waiting to be unregistered go once unused
-            self.adapters.retire_unused(self.unfinished_requests())
+        self.retire_unregistered_adapters()
 
     def _prefill(self, new: list[Request], outputs: dict[str, StepOutput]) -> None:
         for req in new:
@@ -193,6 +191,6 @@ class RollingEngine(EngineLoop):
         """A finished (or aborted) row leaves: its sampler state, its LoRA slot."""
         self.sampler.remove(req.request_id)
         if self.adapters is not None:
-            self.adapters.release_slot(req)
+            self.adapters.slots.let_go(req)
             if req.finish_reason != FINISH_ABORT:
                 self.adapters.finished(req)
