@@ -299,7 +299,8 @@ def build(cfg: ResolvedConfig, *, local_dir: str, spec: ModelSpec | None,
                           max_inputs_per_request=cfg["max_inputs_per_request"],
                           max_input_chars=cfg["max_input_chars"], drain_timeout_s=float(cfg["drain_timeout"]),
                           served_model_name=served_model_name(cfg, local_dir),
-                          chat_template=cfg["option.chat_template"], tgi_compat=cfg["option.tgi_compat"])
+                          chat_template=cfg["option.chat_template"], tgi_compat=cfg["option.tgi_compat"],
+                          tool_call_parser=cfg["option.tool_call_parser"])
     return LmiConfig(model=model, scheduler=scheduler,
                      parallel=ParallelConfig(use_mpi=use_mpi, tensor_parallel_degree=tp), server=server)
 

@@ -244,6 +244,10 @@ KEYS: tuple[Key, ...] = (
         "not a local path, else the model dir's name)"),
     Key("option.chat_template", text, None,
         "chat template: a file path or an inline Jinja template (default: the tokenizer's)"),
+    Key("option.tool_call_parser", choice("llama3_json", "hermes", "mistral"), None,
+        "how tool calls are read from the model's reply with tool_choice=auto (llama3_json: Llama 3.x JSON; hermes: "
+        "<tool_call> blocks (Qwen, Hermes); mistral: [TOOL_CALLS]); unset: auto is refused, required and a named "
+        "function still work (docs/api.md)"),
     Key("option.quantize", quantize_method, None,
         "quantisation of our model code's linear layers at load: int8 (weight-only, per output channel) or int4 "
         "(weight-only, groups of 32 inputs), CPU and CUDA (int4 on CUDA in bf16); int8_dynamic (int8 weights and "

@@ -89,6 +89,7 @@ class ServerConfig(msgspec.Struct, frozen=True):
     served_model_name: str = "model"  # what /v1/models lists and OpenAI requests name
     chat_template: str | None = None  # option.chat_template: a file path or an inline template
     tgi_compat: bool = False  # option.tgi_compat: /invocations answers as TGI's POST /
+    tool_call_parser: str | None = None  # option.tool_call_parser: llama3_json | hermes | mistral (tool_choice=auto)
 
 
 class LmiConfig(msgspec.Struct, frozen=True):

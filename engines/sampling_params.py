@@ -29,6 +29,9 @@ class SamplingParams(msgspec.Struct, frozen=True):
     # vLLM's bad_words as token sequences: a sequence's last token is masked whenever the generated
     # tokens end with the rest of it (a one-token sequence: always)
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    # constrained decoding: llguidance's grammar text (made and validated by the HTTP worker from
+    # response_format, guided_*, TGI's grammar or tools; engines/worker/grammar.py), None: free
+    grammar: str | None = None
 
     @property
     def has_output_penalties(self) -> bool:

@@ -79,11 +79,12 @@ class ChatTemplate:
                           None)
         return cls(source, specials, "tokenizer_config.json") if isinstance(source, str) and source else None
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text; a template that rejects the conversation (raise_exception) is a 400."""
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+        """The prompt text; a template that rejects the conversation (raise_exception) is a 400. `tools`:
+        OpenAI's tool list, as transformers' apply_chat_template passes it."""
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         **self.special_tokens)
+                                         tools=tools, **self.special_tokens)
         except TemplateError as exc:
             raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
 

@@ -18,6 +18,7 @@ from typing import Callable, Iterator
 from handlers.errors import HttpError
 from handlers.generation import ClientGone, Generation
 from handlers.openai_schemas import OpenAIRequest
+from handlers.tools import delta, gather
 
 CHAT, COMPLETION = "chat.completion", "text_completion"
 DONE = b"data: [DONE]\n\n"
@@ -79,8 +80,15 @@ def response(kind: str, req: OpenAIRequest, gens: list[Generation], tokens: list
     for i, (gen, toks) in enumerate(zip(gens, tokens)):
         if kind == CHAT:
             logprobs = {"content": [chat_logprob(t, decode) for t in toks]} if req.logprobs else None
-            choices.append({"index": i, "message": {"role": "assistant", "content": gen.generated_text},
-                            "logprobs": logprobs, "finish_reason": finish_reason(gen)})
+            message, reason = {"role": "assistant", "content": gen.generated_text}, finish_reason(gen)
+            if req.reads_tool_calls:
+                reader = req.tools.reader(req.tool_parser)
+                content, calls = gather(reader.feed(gen.generated_text) + reader.finish())
+                message["content"] = content
+                if calls:
+                    message["tool_calls"] = calls
+                reason = _tool_reason(req, reason, bool(calls))
+            choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": reason})
         else:
             prefix = gen.input_text if req.echo else ""
             logprobs = completion_logprobs(toks, decode, len(prefix), gen.prefill) if req.logprobs else None
@@ -113,15 +121,28 @@ def stream(kind: str, req: OpenAIRequest, gens: list[Generation], model: str, de
     try:
         for i, gen in enumerate(gens):
             token = None
+            reader = req.tools.reader(req.tool_parser) if req.reads_tool_calls else None
+            called = False  # (tool calls read)
             for j, token in enumerate(gen.tokens(deadline, is_gone)):
                 if j == 0 and kind == CHAT:
                     yield event([{"index": i, "delta": {"role": "assistant", "content": ""},
                                   "logprobs": None, "finish_reason": None}])
                 started = True
-                yield event([_chunk_choice(kind, req, i, gen, token, j == 0, decode)])
+                choice = _chunk_choice(kind, req, i, gen, token, j == 0, decode)
+                if reader is not None:  # the text read as content and tool-call deltas
+                    events = reader.feed(token["text"]) + (reader.finish() if token["last"] else [])
+                    choice["delta"] = delta(events)
+                    called = called or "tool_calls" in choice["delta"]
+                    if token["last"]:
+                        choice["finish_reason"] = _tool_reason(req, choice["finish_reason"], called)
+                yield event([choice])
             if token is None or not token["last"]:  # ended without a last token (e.g. at a stop string)
                 empty = {"delta": {}} if kind == CHAT else {"text": ""}
-                yield event([dict({"index": i}, **empty, logprobs=None, finish_reason=finish_reason(gen))])
+                reason = finish_reason(gen)
+                if reader is not None:
+                    empty["delta"] = delta(reader.finish())
+                    reason = _tool_reason(req, reason, called or "tool_calls" in empty["delta"])
+                yield event([dict({"index": i}, **empty, logprobs=None, finish_reason=reason)])
         if req.include_usage:
             extra = {"usage": usage(gens, req.n)}
             yield event([])
@@ -137,6 +158,11 @@ def stream(kind: str, req: OpenAIRequest, gens: list[Generation], model: str, de
     finally:
         for gen in gens:
             gen.close()
+
+
+def _tool_reason(req: OpenAIRequest, reason: str, called: bool) -> str:
+    """vLLM's: "tool_calls" when the model chose to call (auto); a forced call (required, named) ends "stop"."""
+    return "tool_calls" if called and req.tools.choice == "auto" and reason != "length" else reason
 
 
 def _chunk_choice(kind: str, req: OpenAIRequest, index: int, gen: Generation, token: dict, is_first: bool,

@@ -48,7 +48,7 @@ def register(app: Flask, service, read_body: Callable[[], bytes], to_json: Calla
     def chat_completions():
         body = _body(read_body())
         req = parse_chat(body, default_max_tokens=service.config.server.default_max_new_tokens,
-                         limits=service.limits)
+                         limits=service.limits, tool_parser=service.config.server.tool_call_parser)
         return _run(CHAT, req, _render(req), sse=True)
 
     @app.post("/v1/completions")
@@ -72,7 +72,8 @@ def register(app: Flask, service, read_body: Callable[[], bytes], to_json: Calla
         if service.chat_template is None:
             raise bad_request("this model has no chat template (no chat_template in tokenizer_config.json, no "
                               "chat_template.jinja): set option.chat_template, or use /v1/completions", "messages")
-        text = service.chat_template.render(list(req.messages))
+        text = service.chat_template.render(list(req.messages),
+                                            tools=req.tools.template_tools() if req.tools is not None else None)
         return [(service.tokenizer.encode(text, add_special_tokens=False), text)]
 
     def _run(kind: str, req: OpenAIRequest, prompts: list[tuple[list[int], str]], sse: bool) -> Response:
@@ -142,6 +143,7 @@ def djl_chat(run, render, service, body: dict) -> Response:
         raise bad_request("chat requests (\"messages\") need a rolling-batch engine: chat completions are not "
                           "available with dynamic batching (batch_size>1 or option.rolling_batch=disable)")
     body = {k: v for k, v in body.items() if k != "model"}
-    req = parse_chat(body, default_max_tokens=service.config.server.default_max_new_tokens, limits=service.limits)
+    req = parse_chat(body, default_max_tokens=service.config.server.default_max_new_tokens, limits=service.limits,
+                     tool_parser=service.config.server.tool_call_parser)
     return run(CHAT, req, render(req), sse=False)
 

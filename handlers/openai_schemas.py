@@ -9,9 +9,14 @@ answer a different question than was asked.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
 
+import msgspec
+
 from handlers.errors import bad_request
+from handlers.structured import STRUCTURED_FIELDS
+from handlers.tools import Tools, parse_tools
 from handlers.schemas import (
     INT32_MAX, MAX_TOP_N_TOKENS, GenerationRequest, RequestLimits, _bool, _check_text, _int, _number, _stop_sequences,
     _type_name, sampling_params, text_options,
@@ -22,8 +27,9 @@ COMMON_FIELDS = frozenset({
     "presence_penalty", "frequency_penalty", "user", "logit_bias",
     # vLLM's extra sampling parameters
     "ignore_eos", "top_k", "min_p", "repetition_penalty", "stop_token_ids", "min_tokens",
-    "include_stop_str_in_output", "skip_special_tokens", "bad_words"})
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+    "include_stop_str_in_output", "skip_special_tokens", "bad_words"}) | STRUCTURED_FIELDS
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
+                               "parallel_tool_calls"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of"}
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions (vLLM's too)
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for the completions `logprobs` integer
@@ -43,6 +49,12 @@ class OpenAIRequest:
     user: str | None = None
     messages: tuple[dict, ...] = ()
     prompt_ids: tuple[tuple[int, ...], ...] = ()  # completions sent as token ids
+    tools: Tools | None = None  # chat: tools and tool_choice (handlers/tools.py)
+    tool_parser: str | None = None  # option.tool_call_parser (tool_choice auto)
+
+    @property
+    def reads_tool_calls(self) -> bool:
+        return self.tools is not None and self.tools.parses
 
     @property
     def num_choices(self) -> int:
@@ -56,9 +68,12 @@ def check_fields(body: dict, allowed: frozenset[str]) -> None:
                               "(see docs/api.md for what is supported)", name)
 
 
-def parse_chat(body: dict, *, default_max_tokens: int, limits: RequestLimits) -> OpenAIRequest:
+def parse_chat(body: dict, *, default_max_tokens: int, limits: RequestLimits,
+               tool_parser: str | None = None) -> OpenAIRequest:
     check_fields(body, CHAT_FIELDS)
     messages = _messages(body.get("messages"), limits)
+    tools = parse_tools(body, tool_parser)
+    _bool(body, "parallel_tool_calls", True, where=WHERE)  # (several calls are read whenever the model writes them)
     max_tokens = _int(body, "max_completion_tokens", None, minimum=1, where=WHERE)
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", default_max_tokens, minimum=1, where=WHERE)
@@ -67,7 +82,16 @@ def parse_chat(body: dict, *, default_max_tokens: int, limits: RequestLimits) ->
     if top and not logprobs:
         raise bad_request("\"top_logprobs\" needs \"logprobs\": true", "top_logprobs")
     gen = _generation(body, [], False, max_tokens, top)
-    return _options(body, gen, logprobs=logprobs, top_logprobs=top, messages=tuple(messages))
+    constraint = tools.grammar() if tools is not None else None
+    if constraint is not None:  # tool_choice required or named: the reply is constrained to the calls
+        if gen.sampling.grammar is not None:
+            raise bad_request(f"\"tool_choice\": {json.dumps(body['tool_choice'])} constrains the reply to tool calls: "
+                              "it cannot be combined with response_format or guided_*", "tool_choice")
+        gen = replace(gen, sampling=msgspec.structs.replace(gen.sampling, grammar=constraint))
+    if tools is not None and tools.choice == "auto" and tool_parser == "mistral":
+        gen = replace(gen, skip_special_tokens=False)  # [TOOL_CALLS] is a special token
+    return _options(body, gen, logprobs=logprobs, top_logprobs=top, messages=tuple(messages), tools=tools,
+                    tool_parser=tool_parser)
 
 
 def parse_completion(body: dict, *, limits: RequestLimits, vocab_size: int) -> OpenAIRequest:
@@ -130,11 +154,34 @@ def _messages(value, limits: RequestLimits) -> list[dict]:
         where = f"messages[{i}]"
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise bad_request(f"\"{where}\" must be an object with a string \"role\"", "messages")
-        if message.get("tool_calls"):
-            raise bad_request(f"\"{where}.tool_calls\": tool calling is not supported", "messages")
         content = _content(message.get("content"), where)
         _check_text(content, f"\"{where}.content\"", limits)
-        out.append(dict(message, content=content))
+        message = dict(message, content=content)
+        if message.get("tool_calls") is not None:
+            message["tool_calls"] = _tool_calls(message["tool_calls"], where)
+        out.append(message)
+    return out
+
+
+def _tool_calls(calls, where: str) -> list[dict]:
+    """An assistant message's earlier tool calls, their arguments as objects (chat templates read them so,
+    as transformers and vLLM hand them over); OpenAI sends the arguments as JSON text."""
+    if not isinstance(calls, list):
+        raise bad_request(f"\"{where}.tool_calls\" must be a list", "messages")
+    out = []
+    for i, call in enumerate(calls):
+        f = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+            raise bad_request(f"\"{where}.tool_calls\"[{i}] must be {{\"type\": \"function\", \"function\": "
+                              "{\"name\", \"arguments\"}}", "messages")
+        args = f.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                raise bad_request(f"\"{where}.tool_calls\"[{i}].function.arguments is not valid JSON",
+                                  "messages") from None
+        out.append(dict(call, function=dict(f, arguments=args)))
     return out
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 
 from engines.sampling_params import SamplingParams
 from handlers.errors import HttpError, bad_request
+from handlers.structured import STRUCTURED_FIELDS, grammar_of
 
 log = logging.getLogger(__name__)
 
@@ -174,13 +175,13 @@ _KNOWN = {"max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "repet
           "decoder_input_details", "top_n_tokens", "stop_token_ids", "stream", "presence_penalty",
           "frequency_penalty", "truncate", "min_p", "adapter_id",  # adapter_id: refused unless empty (_refuse_adapters)
           "logit_bias", "min_tokens", "min_new_tokens", "include_stop_str_in_output", "skip_special_tokens",
-          "bad_words", "typical_p"}
+          "bad_words", "typical_p"} | STRUCTURED_FIELDS
 
 
 # Parameters LMI, TGI or vLLM define that we do not implement, with the value that changes nothing
 # (accepted); any other value is a 400 naming the parameter, never a 200 that silently ignored it.
 UNSUPPORTED = {"n": 1, "best_of": 1, "num_beams": 1,
-               "watermark": False, "grammar": None, "logprobs": None, "prompt_logprobs": None,
+               "watermark": False, "logprobs": None, "prompt_logprobs": None,
                "length_penalty": 1.0, "early_stopping": False, "spaces_between_special_tokens": True,
                "use_beam_search": False,
                "adapters": None}
@@ -193,7 +194,7 @@ WHY_UNSUPPORTED = {
     "num_beams": _BEAM_SEARCH, "use_beam_search": _BEAM_SEARCH, "length_penalty": _BEAM_SEARCH,
     "early_stopping": _BEAM_SEARCH,
     "n": "several choices per prompt are the OpenAI routes' n", "best_of": "ranked choices are /v1/completions' best_of",
-    "watermark": "watermarking is not built", "grammar": "constrained decoding is not built yet",
+    "watermark": "watermarking is not built",
     "spaces_between_special_tokens": "special tokens are written as the tokenizer decodes them",
 }
 
@@ -269,7 +270,7 @@ def sampling_params(params: dict, *, do_sample: bool, max_new_tokens: int, ignor
         seed=_int(params, "seed", None, minimum=0, where=where), ignore_eos=ignore_eos,
         stop_token_ids=tuple(_int_list(params, "stop_token_ids", where=where)), top_n_tokens=top_n_tokens,
         prompt_logprobs=prompt_logprobs, logit_bias=_logit_bias(params, where),
-        min_tokens=_min_tokens(params, max_new_tokens, where))
+        min_tokens=_min_tokens(params, max_new_tokens, where), grammar=grammar_of(params, where))
 
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: [-100, 100]

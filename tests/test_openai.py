@@ -195,8 +195,7 @@ def test_unknown_model_is_a_404_in_openais_shape(server, client):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    ("response_format", {"type": "json_object"}), ("suffix", "the end"), ("made_up", 1)])
+    ("functions", [{"name": "f", "parameters": {}}]), ("suffix", "the end"), ("made_up", 1)])
 def test_unsupported_fields_are_a_400_naming_them(server, client, field, value):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model=served_name(server), messages=MESSAGES, extra_body={field: value})

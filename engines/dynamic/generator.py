@@ -14,6 +14,7 @@ from engines.models.spec import ModelSpec
 from engines.startup import TIMELINE, throughput
 from engines.protocol import FINISH_EOS, FINISH_LENGTH, Add, Output
 from engines.sampling_params import SamplingParams
+from engines.worker.grammar import Grammars, apply_bitmask, bitmask_width, fill_row
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,7 @@ class HFGenerator:
             self.config.local_dir, dtype=dtype, trust_remote_code=self.config.trust_remote_code,
             use_safetensors=True).to(self.device).eval()
         self.eos_token_ids = list(self.spec.eos_token_ids)
+        self.grammars = Grammars(self.config.local_dir, self.spec.vocab_size, self.spec.eos_token_ids)
         pad = self.spec.pad_token_id
         self.pad_token_id = pad if pad is not None else (self.eos_token_ids[0] if self.eos_token_ids else 0)
         elapsed = time.perf_counter() - started
@@ -51,9 +53,10 @@ class HFGenerator:
         stop_ids = list(params.stop_token_ids) + ([] if params.ignore_eos else self.eos_token_ids)
         if params.seed is not None:
             torch.manual_seed(params.seed)
+        processors = [GrammarProcessor(self.grammars, params.grammar, len(batch), width)] if params.grammar else None
         out = self.model.generate(
             input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
-            generation_config=self._generation_config(params, stop_ids))
+            generation_config=self._generation_config(params, stop_ids), logits_processor=processors)
         new_ids = out.sequences[:, width:]  # [batch, steps]
         # log-probability of each chosen token under the (processed) distribution it was drawn from
         scores = torch.stack(out.scores, dim=1).float()  # [batch, steps, vocab]
@@ -71,6 +74,31 @@ class HFGenerator:
             repetition_penalty=params.repetition_penalty, pad_token_id=self.pad_token_id,
             eos_token_id=stop_ids or None, bos_token_id=self.model.generation_config.bos_token_id,
             return_dict_in_generate=True, output_scores=True, **sampling)
+
+
+class GrammarProcessor:
+    """HF generate's logits processor for a batch sharing one grammar: each row's matcher consumes the
+    token the row emitted last and masks the next; a row HF goes on padding after its end (the grammar
+    refuses the pad token) is left free (its tokens after the stop are cut)."""
+
+    def __init__(self, grammars: Grammars, grammar: str, batch_size: int, prompt_width: int):
+        compiled = grammars.compiled(grammar)
+        self.matchers = [compiled.deep_copy() for _ in range(batch_size)]
+        self.free = [False] * batch_size
+        self.prompt_width = prompt_width
+        self.bitmask = torch.full((batch_size, bitmask_width(grammars.vocab_size)), -1, dtype=torch.int32)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        last = input_ids[:, -1].tolist() if input_ids.shape[1] > self.prompt_width else None
+        for i, m in enumerate(self.matchers):
+            if last is not None and not self.free[i] and not m.consume_token(last[i]):
+                self.free[i] = True
+            if self.free[i]:
+                self.bitmask[i] = -1
+            else:
+                fill_row(m, self.bitmask, i)
+        rows = torch.arange(len(self.matchers), device=scores.device)
+        return apply_bitmask(scores, rows, self.bitmask.to(scores.device))
 
 
 def _to_output(request_id: str, ids: list[int], log_probs: list[float], stop_ids: set[int]) -> Output:

@@ -94,6 +94,22 @@ class EngineLoop(abc.ABC):
             self.publish_error(msg.request_id, 404, refusal)
         return refusal is not None
 
+    def refuses_grammar(self, msg: Add, grammars) -> bool:
+        """A request whose grammar does not compile here (the HTTP worker checked it without the
+        tokenizer) is a 400 naming why: True when it was refused. Compiling it now caches it."""
+        if msg.sampling.grammar is None:
+            return False
+        try:
+            grammars.compiled(msg.sampling.grammar)
+            return False
+        except ValueError as exc:
+            self.publish_error(msg.request_id, 400, str(exc))
+        except Exception as exc:  # noqa: BLE001 — the tokenizer could not be read as llguidance needs it
+            log.error("constrained decoding is unavailable: %s", exc)
+            self.publish_error(msg.request_id, 501, f"constrained decoding needs the model's tokenizer.json, which "
+                                                    f"could not be read for it here: {exc}")
+        return True
+
     def reply(self, msg: AdapterCommand, status: int, message: str) -> None:
         self._refresh_snapshot(force=True)  # the adapters listed from now on say what the reply says
         self._publish([AdapterReply(msg.request_id, status, message)])

@@ -169,7 +169,7 @@ class PagedEngine(EngineLoop):
         return self.scheduler.has_unfinished
 
     def add(self, msg: Add) -> None:
-        if self.refuses_adapter(msg):
+        if self.refuses_adapter(msg) or self.refuses_grammar(msg, self.paged.sampler.grammars):
             return
         req = Request(msg.request_id, msg.prompt_token_ids, msg.sampling, self.runner.eos_token_ids, self._arrivals,
                       msg.lora_name)

@@ -32,6 +32,7 @@ from engines.attention.base import AttentionBackend, ForwardBatch, SeqChunk, sel
 from engines.core.plan import StepPlan
 from engines.models.registry import fallback_reason
 from engines.worker.model_runner import ModelRunner
+from engines.worker.grammar import Grammars
 from engines.worker.sampler import SampleResult, Sampler, prompt_logprobs
 from engines.worker.step_buffers import StepBuffers
 from engines.worker.step_graphs import StepGraphs
@@ -76,7 +77,8 @@ class PagedRunner:
         self.buffers: StepBuffers | None = None
         self.states: dict[str, _SeqState] = {}
         self.samples = runner.comm.rank == 0  # the logits land on rank 0 only
-        self.sampler = Sampler(runner.device, runner.eos_token_ids)
+        self.sampler = Sampler(runner.device, runner.eos_token_ids,
+                               Grammars(runner.config.local_dir, runner.spec.vocab_size, runner.eos_token_ids))
         self.decode_mode = DECODE_EAGER
         self._decode_model = runner.model  # what runs a decode step eagerly (compiled with DECODE_INDUCTOR)
         self.graphs: StepGraphs | None = None

@@ -26,6 +26,7 @@ from engines.dist import SingleProcess
 from engines.worker.mirror import Decode, Merge, Mirrored, Prefill, Retire, WarmUp
 from engines.worker.model_runner import ModelRunner
 from engines.worker.padded_batch import PaddedBatch
+from engines.worker.grammar import Grammars
 from engines.worker.sampler import PromptLogprobs, Sampler
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,9 @@ class RollingEngine(EngineLoop):
         super().__init__(config, publish, comm or SingleProcess())
         self.runner = ModelRunner(config.model, ModelSpec.of(config.model), self.comm)
         self.batch = Mirrored(PaddedBatch(self.runner), self.comm)  # rows in the order of self.running
-        self.sampler = Sampler(self.runner.device, frozenset(self.runner.spec.eos_token_ids))
+        self.sampler = Sampler(self.runner.device, frozenset(self.runner.spec.eos_token_ids),
+                               Grammars(config.model.local_dir, self.runner.spec.vocab_size,
+                                        self.runner.spec.eos_token_ids))
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self._arrivals = 0
@@ -104,7 +107,7 @@ class RollingEngine(EngineLoop):
         return bool(self.waiting or self.running)
 
     def add(self, msg: Add) -> None:
-        if self.refuses_adapter(msg):
+        if self.refuses_adapter(msg) or self.refuses_grammar(msg, self.sampler.grammars):
             return
         req = Request(msg.request_id, msg.prompt_token_ids, msg.sampling, self.runner.eos_token_ids, self._arrivals,
                       msg.lora_name)

@@ -1,5 +1,6 @@
 """Vectorised per-row sampling: greedy, temperature, top-k, top-p, repetition, presence and frequency
-penalties, logit_bias, min_tokens, bad words, seeds, with each request's state kept on the device.
+penalties, logit_bias, min_tokens, bad words, grammars, seeds, with each request's state kept on the
+device.
 
 A request is added once (`add`, with its prompt and any tokens it already generated) and sampled
 by id; the sampler keeps, per request, what its penalties need as tensors over the vocabulary —
@@ -12,6 +13,10 @@ draws from it exactly once per token, so a seeded request gives the same tokens 
 batch. Sampling uses the exponential race: argmax(p / E) with E ~ Exp(1) per vocabulary entry is a
 draw from p, and the noise comes from each row's own generator. Only rows with top-k or top-p sort
 the vocabulary.
+
+A request with a grammar (SamplingParams.grammar) has its row masked by the grammar's bitmask after
+every other setting but before sampling (engines/worker/grammar.py: the masks of step N+1 are
+computed while it runs); its emitted tokens advance the grammar, a host read of those rows only.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import torch
 
 from engines.attention.base import to_device
 from engines.sampling_params import SamplingParams
+from engines.worker.grammar import Grammars, apply_bitmask
 
 
 @dataclass
@@ -74,9 +80,11 @@ class _RequestState:
 
 
 class Sampler:
-    def __init__(self, device: torch.device, eos_token_ids: frozenset[int] = frozenset()):
+    def __init__(self, device: torch.device, eos_token_ids: frozenset[int] = frozenset(),
+                 grammars: Grammars | None = None):
         self.device = device
         self.eos_token_ids = eos_token_ids  # what min_tokens masks besides a request's stop_token_ids
+        self.grammars = grammars  # None: a request with a grammar is refused before it gets here
         self._states: dict[str, _RequestState] = {}
 
     def add(self, request_id: str, params: SamplingParams, prompt_token_ids: list[int] = (),
@@ -100,10 +108,14 @@ class Sampler:
         if params.min_tokens:
             banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
             state.banned = to_device(sorted(banned), self.device, torch.long) if banned else None
+        if params.grammar is not None:
+            self.grammars.add(request_id, params.grammar, output_token_ids)
         self._states[request_id] = state
 
     def remove(self, request_id: str) -> None:
-        self._states.pop(request_id, None)
+        s = self._states.pop(request_id, None)
+        if s is not None and s.params.grammar is not None:
+            self.grammars.remove(request_id)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._states
@@ -129,7 +141,13 @@ class Sampler:
         for s in states:
             if s.pending is not None:
                 self._materialise(s, vocab)
+        raw = logits
         logits = _apply_logit_masks(_apply_penalties(logits, states), states)
+        constrained = [i for i, p in enumerate(params) if p.grammar is not None]
+        if constrained:
+            masks = self.grammars.masks([request_ids[i] for i in constrained]).to(logits.device, non_blocking=True)
+            logits = apply_bitmask(logits, to_device(constrained, logits.device, torch.long), masks,
+                                   fallback=None if logits is raw else raw)
         sampled_rows = [i for i, p in enumerate(params) if p.do_sample]
         if sampled_rows:
             rows = to_device(sampled_rows, logits.device, torch.long)
@@ -142,6 +160,8 @@ class Sampler:
         chosen_lp = log_probs.gather(1, chosen.view(-1, 1)).view(-1)
         top_n = max(p.top_n_tokens for p in params)
         top = log_probs.topk(top_n, dim=-1) if top_n else None
+        if constrained:  # (a host read of those rows)
+            self.grammars.advance([request_ids[i] for i in constrained], chosen[constrained].tolist())
         for i, s in enumerate(states):
             s.num_generated += 1
             if s.recent is not None:  # (a host read, for the rows with bad words only)
@@ -165,9 +185,24 @@ class Sampler:
         p(d); on rejection the token is drawn from p without d, renormalised; after k acceptances a
         last token is drawn from p. Each emitted token is then distributed exactly as p, and the
         draws come from the request's own generator (a seed reproduces). No penalties here: the
-        engine does not speculate for requests with penalties (Request.can_speculate)."""
+        engine does not speculate for requests with penalties (Request.can_speculate). A request with a
+        grammar has its rows masked at each proposed position (a proposal the grammar refuses is cut
+        there) and the grammar rolled back past the rejected tokens."""
         states = [self._states[rid] for rid in request_ids]
         row_params = [s.params for s, d in zip(states, drafts) for _ in range(len(d) + 1)]
+        widths = [len(d) + 1 for d in drafts]  # each request's rows
+        drafts, consumed = list(drafts), {}
+        constrained = [j for j, s in enumerate(states) if s.params.grammar is not None]
+        if constrained:
+            firsts = [sum(widths[:j]) for j in range(len(widths))]
+            rows, masks = [], []
+            for j in constrained:
+                k, m = self.grammars.draft_masks(request_ids[j], drafts[j])
+                consumed[j], drafts[j] = k, drafts[j][:k]  # rows after the cut go unused
+                rows += range(firsts[j], firsts[j] + k + 1)
+                masks.append(m)
+            logits = apply_bitmask(logits, to_device(rows, logits.device, torch.long),
+                                   torch.cat(masks).to(logits.device, non_blocking=True))
         sampled_rows = [i for i, p in enumerate(row_params) if p.do_sample]
         if sampled_rows:
             logits = logits.clone()
@@ -176,7 +211,7 @@ class Sampler:
         best = log_probs.argmax(dim=-1).tolist()
         results: list[SampleResult] = []
         row = 0
-        for s, draft in zip(states, drafts):
+        for q, (s, draft) in enumerate(zip(states, drafts)):
             tokens: list[int] = []
             if not s.params.do_sample:
                 while len(tokens) < len(draft) and draft[len(tokens)] == best[row + len(tokens)]:
@@ -200,7 +235,11 @@ class Sampler:
             top = rows.topk(n, dim=-1) if n else None
             results.append(SampleResult(tokens, rows.gather(1, index).view(-1).tolist(),
                                         to_top_lists((top.indices, top.values) if n else None, [n] * len(tokens))))
-            row += len(draft) + 1
+            if q in consumed:
+                self.grammars.settle_draft(request_ids[q], consumed[q], tokens)
+            row += widths[q]
+        if constrained:
+            self.grammars.start([request_ids[j] for j in constrained])
         return results
 
     def _race(self, probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
