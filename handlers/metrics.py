@@ -25,6 +25,12 @@ ENGINE_METRICS = {
     "spec_mean_accepted_length": ("lmi_spec_decode_mean_accepted_length",
                                   "tokens emitted per verification (accepted proposals + 1)", False),
     "multi_step_runs": ("lmi_multi_step_runs", "plans that ran several decode steps back to back", True),
+    "grammar_masks": ("lmi_grammar_masks", "allowed-token masks computed for constrained requests", True),
+    "grammar_mask_seconds": ("lmi_grammar_mask_seconds", "time computing those masks (mostly during the forward)",
+                             True),
+    "grammar_wait_seconds": ("lmi_grammar_wait_seconds", "time sampling waited for masks (not hidden by the forward)",
+                             True),
+    "grammar_rollbacks": ("lmi_grammar_rollbacks", "grammar rollbacks past rejected speculative tokens", True),
 }
 
 

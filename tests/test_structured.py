@@ -193,3 +193,14 @@ def test_a_non_strict_schema_ignores_keywords_the_engine_cannot_enforce():
     schema = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
     assert grammar_of({"response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": schema, "strict": False}}}, "") is not None
+
+
+def test_tensor_parallel_2_constrains_on_rank_0_and_gives_the_oracles_tokens(tiny_model, oracle, tmp_path):
+    """mpirun -np 2: only rank 0 samples (and holds grammars); the others get its tokens."""
+    from tests.support import run_tp2_job
+
+    grammars = grammars_of(tiny_model)
+    prompts = [json_prompt(tiny_model), [1, 17, 23, 99], [1, 5, 6, 7, 8]]
+    chosen = [grammars["json"], None, grammars["choice"]]
+    got = run_tp2_job(tmp_path, {"prompts": prompts, "new_tokens": 40, "grammars": chosen}, [str(tiny_model)])
+    assert got[str(tiny_model)] == [oracle(p, g, 40) for p, g in zip(prompts, chosen)]

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import jsonschema
 import openai
 import pytest
+import requests
 
 from handlers.chat_template import ChatTemplate
 from handlers.tools import ArrayReader, HermesReader, Llama3JsonReader, MistralReader, NamedReader, delta, gather
@@ -54,14 +55,23 @@ def test_fifty_json_schema_replies_parse_and_validate(server, client):
 
     def ask(seed: int):
         return client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": f"Thing {seed}"}],
-                                              response_format=fmt, seed=seed, max_tokens=200).choices[0]
+                                              response_format=fmt, seed=seed, max_tokens=200)
 
+    before = grammar_masks(server)
     with ThreadPoolExecutor(8) as pool:
-        choices = list(pool.map(ask, range(50)))
+        replies = list(pool.map(ask, range(50)))
+    choices = [r.choices[0] for r in replies]
     assert [c.finish_reason for c in choices] == ["stop"] * 50
     for c in choices:
         jsonschema.validate(json.loads(c.message.content), SCHEMA)
     assert len({c.message.content for c in choices}) > 10  # sampled, not one reply
+    # a mask for every generated token (and the next ones computed ahead)
+    assert grammar_masks(server) - before >= sum(r.usage.completion_tokens for r in replies)
+
+
+def grammar_masks(server) -> float:
+    metrics = requests.get(server.url + "/metrics", timeout=10).text
+    return next(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("lmi_grammar_masks_total"))
 
 
 def test_tgi_client_grammar_and_lmi_parameters_give_valid_json(server):

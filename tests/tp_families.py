@@ -42,10 +42,10 @@ def main(out_path: str, prompts_path: str, model_dirs: list[str]) -> None:
         engine.load()
         for name, path in job.get("register", {}).items():
             engine.command(AdapterCommand(f"register-{name}", ADAPTER_REGISTER, name, path))
-        params = SamplingParams(max_new_tokens=job["new_tokens"])
         adapters = job.get("adapters") or [None] * len(job["prompts"])
-        outputs = drive_engine(engine, [(f"r{i}", p, params, a)
-                                        for i, (p, a) in enumerate(zip(job["prompts"], adapters))])
+        grammars = job.get("grammars") or [None] * len(job["prompts"])  # each prompt's constraint (None: free)
+        outputs = drive_engine(engine, [(f"r{i}", p, SamplingParams(max_new_tokens=job["new_tokens"], grammar=g), a)
+                                        for i, (p, a, g) in enumerate(zip(job["prompts"], adapters, grammars))])
         engine.stop_ranks()
         results[model_dir] = [output_tokens(outputs[f"r{i}"]) for i in range(len(job["prompts"]))]
     if comm.rank == 0:

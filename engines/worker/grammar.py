@@ -215,17 +215,17 @@ class Grammars:
 
     def _fill(self, request_ids: list[str], matchers: list) -> dict[str, torch.Tensor]:
         """(on the thread, or not) the requests' next masks; touches nothing else of self but counters"""
-        import llguidance
-        import llguidance.torch
+        import llguidance  # (not llguidance.torch: importing it imports torch.compile's machinery, seconds)
         t0 = time.perf_counter()
-        bitmask = torch.empty(len(request_ids), bitmask_width(self.vocab_size), dtype=torch.int32)
+        width = bitmask_width(self.vocab_size)
+        bitmask = torch.empty(len(request_ids), width, dtype=torch.int32)
         if len(matchers) == 1:
             fill_row(matchers[0], bitmask, 0)
         else:
             if self._executor is None:
                 self._executor = llguidance.LLExecutor()
-            llguidance.torch.fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)],
-                                                         bitmask)
+            self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(),
+                                                   width * 4, len(matchers))
         self._count(len(request_ids), time.perf_counter() - t0)
         return dict(zip(request_ids, bitmask))
 

@@ -154,7 +154,7 @@ class PagedEngine(EngineLoop):
                 "prefix_cache_query_tokens": bm.num_prefix_queries_tokens,
                 "preemptions": sched.num_preemptions, "running": sched.num_running,
                 "waiting": sched.num_waiting, "steps": self.num_steps, "multi_step_runs": self.num_multi_steps,
-                **self.spec.metrics()}
+                **self.spec.metrics(), **self.paged.sampler.grammars.metrics()}
 
     def stop_ranks(self) -> None:
         if self.stepper is not None:

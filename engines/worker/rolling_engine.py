@@ -91,6 +91,7 @@ class RollingEngine(EngineLoop):
     def measure(self) -> HealthReply:
         return HealthReply(STATE_READY, num_waiting=len(self.waiting), num_running=len(self.running),
                            num_batches=self.num_steps, num_kv_slots=self.batch.target.num_kv_slots(),
+                           metrics=self.sampler.grammars.metrics(),
                            adapters=self.adapters.infos(self.unfinished_requests()) if self.adapters else [])
 
     def unfinished_requests(self) -> dict[str, Request]:
