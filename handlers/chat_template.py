@@ -56,6 +56,7 @@ class ChatTemplate:
             raise ChatTemplateError(f"the chat template ({origin}) does not compile: {exc}") from None
         self.special_tokens = special_tokens or {}
         self.origin = origin
+        self.uses_tools = "tools" in source  # (TGI's tool_prompt adds the tools' JSON to templates without them)
 
     @classmethod
     def load(cls, model_dir: str, override: str | None = None) -> "ChatTemplate | None":

@@ -70,8 +70,12 @@ def usage(gens: list[Generation], n: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+SYSTEM_FINGERPRINT = "lmi-serve-0.1.0"  # OpenAI's field (TGI's client requires it)
+
+
 def _envelope(kind: str, rid: str, created: int, model: str, choices: list[dict]) -> dict:
-    return {"id": rid, "object": kind, "created": created, "model": model, "choices": choices}
+    return {"id": rid, "object": kind, "created": created, "model": model, "system_fingerprint": SYSTEM_FINGERPRINT,
+            "choices": choices}
 
 
 def response(kind: str, req: OpenAIRequest, gens: list[Generation], tokens: list[list[dict]], model: str,
@@ -115,6 +119,9 @@ def stream(kind: str, req: OpenAIRequest, gens: list[Generation], model: str, de
     done = [DONE] if sse else []
 
     def event(choices: list[dict]) -> bytes:
+        for c in choices:  # the role in every delta (OpenAI sends it in the first; TGI's client needs it in each)
+            if "delta" in c:
+                c["delta"] = {"role": "assistant", **c["delta"]}
         return frame(dict(_envelope(chunk_kind, rid, created, model, choices), **extra), sse)
 
     started = False

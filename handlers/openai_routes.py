@@ -21,6 +21,7 @@ from handlers.openai_schemas import OpenAIRequest, parse_chat, parse_completion
 from handlers.schemas import parse_body
 
 log = logging.getLogger("handlers.openai")
+TGI_CLIENT_MODEL = "tgi"  # what TGI's client sends as the model, always (TGI ignores it): the base model here
 
 
 def best_choices(gens: list, tokens: list[list[dict]], best_of: int, n: int) -> tuple[list, list[list[dict]]]:
@@ -72,8 +73,11 @@ def register(app: Flask, service, read_body: Callable[[], bytes], to_json: Calla
         if service.chat_template is None:
             raise bad_request("this model has no chat template (no chat_template in tokenizer_config.json, no "
                               "chat_template.jinja): set option.chat_template, or use /v1/completions", "messages")
-        text = service.chat_template.render(list(req.messages),
-                                            tools=req.tools.template_tools() if req.tools is not None else None)
+        messages, tools = list(req.messages), None
+        if req.tools is not None:
+            messages = req.tools.with_prompt(messages, service.chat_template.uses_tools)
+            tools = req.tools.template_tools()
+        text = service.chat_template.render(messages, tools=tools)
         return [(service.tokenizer.encode(text, add_special_tokens=False), text)]
 
     def _run(kind: str, req: OpenAIRequest, prompts: list[tuple[list[int], str]], sse: bool) -> Response:
@@ -114,7 +118,7 @@ def register(app: Flask, service, read_body: Callable[[], bytes], to_json: Calla
             names = [a.name for a in service.adapter_infos(fresh=True)]  # registered a moment ago?
         if model in names:
             return model
-        if request.path.startswith("/v1/"):
+        if request.path.startswith("/v1/") and model != TGI_CLIENT_MODEL:
             served = ", ".join(f"`{n}`" for n in [model_name] + names)
             raise HttpError(404, f"The model `{model}` does not exist; this server serves {served}",
                             param="model", openai_code="model_not_found")

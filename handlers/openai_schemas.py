@@ -29,7 +29,7 @@ COMMON_FIELDS = frozenset({
     "ignore_eos", "top_k", "min_p", "repetition_penalty", "stop_token_ids", "min_tokens",
     "include_stop_str_in_output", "skip_special_tokens", "bad_words"}) | STRUCTURED_FIELDS
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
-                               "parallel_tool_calls"}
+                               "parallel_tool_calls", "tool_prompt"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of"}
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions (vLLM's too)
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for the completions `logprobs` integer

@@ -35,6 +35,17 @@ class Tools:
     tools: tuple[dict, ...]  # OpenAI's form, validated
     choice: str  # auto | none | required | named
     name: str | None = None  # the named function
+    prompt: str | None = None  # TGI's tool_prompt
+
+    def with_prompt(self, messages: list[dict], template_uses_tools: bool) -> list[dict]:
+        """TGI's tool_prompt: appended to the last message after "\n---\n", with the tools' JSON when the
+        chat template does not show them itself (TGI's way of telling a model without a tools template)."""
+        if self.prompt is None or self.choice == "none" or not messages:
+            return messages
+        extra = "\n---\n" + self.prompt
+        if not template_uses_tools:
+            extra += "\n" + json.dumps([t["function"] for t in self.tools], ensure_ascii=False)
+        return messages[:-1] + [dict(messages[-1], content=(messages[-1].get("content") or "") + extra)]
 
     @property
     def parses(self) -> bool:
@@ -90,10 +101,12 @@ def parse_tools(body: dict, parser: str | None) -> Tools | None:
     name = None
     if choice is None:
         choice = "auto"
-    elif isinstance(choice, dict):
+    elif isinstance(choice, str) and choice not in ("none", "auto", "required"):  # TGI's: a function's name
+        choice = {"type": "function", "function": {"name": choice}}
+    if isinstance(choice, dict):
         f = choice.get("function")
         name = f.get("name") if isinstance(f, dict) else None
-        if choice.get("type") != "function" or not isinstance(name, str):
+        if choice.get("type", "function") != "function" or not isinstance(name, str):  # (TGI omits the type)
             raise bad_request("\"tool_choice\" must be none, auto, required or {\"type\": \"function\", \"function\": "
                               "{\"name\": ...}}", "tool_choice")
         if name not in names:
@@ -103,11 +116,14 @@ def parse_tools(body: dict, parser: str | None) -> Tools | None:
     elif choice not in ("none", "auto", "required"):
         raise bad_request(f"\"tool_choice\" must be none, auto, required or a named function, not {json.dumps(choice)}",
                           "tool_choice")
+    prompt = body.get("tool_prompt")
+    if prompt is not None and not isinstance(prompt, str):
+        raise bad_request("\"tool_prompt\" must be a string", "tool_prompt")
     if choice == "auto" and parser is None:
         raise bad_request("\"tool_choice\": \"auto\" needs the server's option.tool_call_parser (llama3_json, hermes "
                           "or mistral) to read calls from the model's reply; \"required\" and a named function work "
                           "without it", "tool_choice")
-    return Tools(tuple(tools), choice, name)
+    return Tools(tuple(tools), choice, name, prompt or None)
 
 
 def new_call_id() -> str:

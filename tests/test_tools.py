@@ -79,14 +79,27 @@ def test_tgi_client_grammar_and_lmi_parameters_give_valid_json(server):
     from text_generation.types import Grammar, GrammarType
 
     tgi = Client(server.url, timeout=60)
-    for seed in range(5):
-        out = tgi.generate("A thing:", do_sample=True, seed=seed, max_new_tokens=200,
-                           grammar=Grammar(type=GrammarType.Json, value=SCHEMA))
+    def ask(seed: int):
+        return tgi.generate("A thing:", do_sample=True, seed=seed, max_new_tokens=200,
+                            grammar=Grammar(type=GrammarType.Json, value=SCHEMA))
+
+    with ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(ask, range(24)))
+    for out in outs:
         assert out.details.finish_reason == "eos_token"
         jsonschema.validate(json.loads(out.generated_text), SCHEMA)
-    for form in ({"grammar": {"type": "json", "value": SCHEMA}}, {"guided_json": SCHEMA}):
-        body = server.post({"inputs": "A thing:", "parameters": {"max_new_tokens": 200, "do_sample": True, "seed": 3,
-                                                                  **form}}).json()
+    forms = [{"grammar": {"type": "json", "value": SCHEMA}}, {"guided_json": SCHEMA},
+             {"response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA}}}]
+
+    def lmi(seed: int) -> dict:  # the LMI schema, each form
+        return server.post({"inputs": "A thing:", "parameters": {"max_new_tokens": 200, "do_sample": True,
+                                                                  "seed": seed, "details": True,
+                                                                  **forms[seed % 3]}}).json()
+
+    with ThreadPoolExecutor(8) as pool:
+        bodies = list(pool.map(lmi, range(24)))
+    for body in bodies:
+        assert body["details"]["finish_reason"] == "eos_token"
         jsonschema.validate(json.loads(body["generated_text"]), SCHEMA)
     regex = server.post({"inputs": "A code:", "parameters": {"max_new_tokens": 20,
                                                               "guided_regex": "[A-Z]{3}-[0-9]{2}"}}).json()
@@ -157,6 +170,30 @@ def test_auto_returns_calls_or_content_as_the_model_writes_them(server, client):
     assert content == "Sure. " and deltas[0].function.name == "get_weather" and deltas[0].id
     assert json.loads("".join(d.function.arguments or "" for d in deltas)) == {"city": "Oslo", "unit": "c"}
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_tgi_client_chat_with_a_function_named_by_a_bare_string(server):
+    """TGI's form: tool_choice is the function's name; its client parses the reply."""
+    from text_generation import Client
+    from text_generation.types import Message, Tool
+
+    tgi = Client(server.url, timeout=60)
+    out = tgi.chat(messages=[Message(role="user", content="Time?")], tools=[Tool(**t) for t in TOOLS],
+                   tool_choice="get_time", seed=1, max_tokens=200)
+    (call,) = out.choices[0].message.tool_calls
+    assert call["function"]["name"] == "get_time"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), TIME)
+
+
+def test_tool_prompt_goes_after_the_last_message_with_the_tools_when_the_template_has_none():
+    from handlers.tools import parse_tools
+
+    tools = parse_tools({"tools": TOOLS[:1], "tool_choice": "required", "tool_prompt": "Use a tool."}, None)
+    plain = tools.with_prompt(MESSAGES, template_uses_tools=False)
+    assert plain[-1]["content"] == MESSAGES[-1]["content"] + "\n---\nUse a tool.\n" + \
+        json.dumps([TOOLS[0]["function"]])
+    assert tools.with_prompt(MESSAGES, template_uses_tools=True)[-1]["content"] == \
+        MESSAGES[-1]["content"] + "\n---\nUse a tool."
 
 
 @pytest.mark.parametrize("body,param,words", [
