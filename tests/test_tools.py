@@ -14,20 +14,10 @@ import requests
 from handlers.chat_template import ChatTemplate
 from handlers.tools import ArrayReader, HermesReader, Llama3JsonReader, MistralReader, NamedReader, delta, gather
 from tests.support import running_server
+from tests.test_structured import SCHEMA  # bounded fields: enums, maxLength, maxItems
 
 PROPERTIES = ("engine=Python\noption.rolling_batch=lmi-dist\noption.dtype=fp32\noption.kv_cache_memory=8MiB\n"
               "option.max_rolling_batch_size=16\noption.tool_call_parser=hermes\noption.max_new_tokens=200\n")
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 10},
-        "colour": {"enum": ["red", "green", "blue"]},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 3},
-        "size": {"type": "integer", "minimum": 1, "maximum": 40},
-    },
-    "required": ["name", "colour", "tags", "size"],
-    "additionalProperties": False,
-}
 WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
                                             "unit": {"enum": ["c", "f"]}},
            "required": ["city", "unit"], "additionalProperties": False}
