@@ -43,7 +43,13 @@ def _properties(path: str | None, model_dir: str | None, yaml_path: str | None =
 
 def _resolve(args) -> cfgmod.ResolvedConfig:
     resolved = cfgmod.resolve(_properties(args.properties, args.model_dir, getattr(args, "config", None)), os.environ)
+    try:
+        handler = cfgmod.custom_handler(resolved, args.model_dir)
+    except ConfigError:  # (said when the configuration is built)
+        handler = None
     for warning in resolved.warnings:
+        if handler is not None and warning.startswith("unknown key "):  # a custom handler's own keys
+            warning = warning.split(" is ignored")[0] + ": not one of lmi-serve's keys; passed to the custom handler"
         log.warning("%s", warning)
     return resolved
 
@@ -72,7 +78,7 @@ def cmd_serve(args) -> int:
     log.info("engine: %s, model: %s", config.scheduler.engine_kind, local_dir)
     log.info("listening on http://%s:%d (/ping, /invocations, /v1/chat/completions, /metrics)",
              args.host, config.server.port)
-    problem = _check_plan(resolved, config, spec)
+    problem = _check_plan(resolved, config, spec) if config.model.entry_point is None else None
     if problem:
         log.error("lmi-serve did not start: %s", problem)
         return 2

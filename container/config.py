@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 from container.keys import ACCEPTED_UNUSED, FOREIGN_KEYS, KEY_ALIASES, KEYS, KEYS_BY_NAME, ConfigError
 from engines.config import (
-    ENGINE_DYNAMIC, ENGINE_PAGED, ENGINE_ROLLING,
+    ENGINE_DYNAMIC, ENGINE_HANDLER, ENGINE_PAGED, ENGINE_ROLLING,
     LmiConfig, ModelConfig, ParallelConfig, SchedulerConfig, ServerConfig,
 )
 from engines.core.modes import scheduling_mode
@@ -39,6 +39,7 @@ ENV_ALIASES = (
     ("HF_MODEL_TRUST_REMOTE_CODE", "option.trust_remote_code"),
     ("HF_MODEL_QUANTIZE", "option.quantize"),
     ("CUDA_MEMORY_FRACTION", "option.gpu_memory_utilization"),
+    ("DJL_ENTRY_POINT", "option.entryPoint"),  # DJL's, below OPTION_ENTRYPOINT
     ("SAGEMAKER_MAX_REQUEST_SIZE", "max_request_size"),
 )
 _UPPER = re.compile(r"^[A-Z0-9_]+$")
@@ -60,6 +61,7 @@ class ResolvedConfig:
 
     settings: dict[str, Setting]
     warnings: list[str] = field(default_factory=list)
+    raw: dict[str, str] = field(default_factory=dict)  # every key set (known or not) → its text (custom handlers)
 
     def __getitem__(self, key: str) -> Any:
         return self.settings[key].value
@@ -156,7 +158,7 @@ def resolve(properties: Mapping[str, str], env: Mapping[str, str], *,
             settings[spec.name] = Setting(spec.parse(spec.name, value), source)
         else:
             settings[spec.name] = Setting(spec.default, DEFAULT)
-    cfg = ResolvedConfig(settings, warnings)
+    cfg = ResolvedConfig(settings, warnings, {key: value for key, (value, _) in raw.items()})
     _check_static_contradictions(cfg)
     return cfg
 
@@ -177,12 +179,56 @@ def _check_static_contradictions(cfg: ResolvedConfig) -> None:
                               "paged engine; use option.rolling_batch=scheduler for a padded KV cache")
 
 
+# DJL's built-in handlers: ours where we have the engine, else refused at start (option.entryPoint)
+OUR_ENTRY_POINTS = {"djl_python.huggingface": None, "djl_python.lmi_vllm": "vllm", "djl_python.vllm": "vllm",
+                    "djl_python.lmi_dist": "lmi-dist", "djl_python.rolling_batch": None}
+REFUSED_ENTRY_POINTS = {
+    "djl_python.transformers_neuronx": "AWS Inferentia / Trainium (the Neuron SDK)",
+    "djl_python.neuron": "AWS Inferentia / Trainium (the Neuron SDK)",
+    "djl_python.tensorrt_llm": "NVIDIA TensorRT-LLM", "djl_python.trtllm": "NVIDIA TensorRT-LLM",
+    "djl_python.deepspeed": "DeepSpeed inference", "djl_python.sm_pipeline": "SageMaker model parallelism",
+}
+
+
+def custom_handler(cfg: ResolvedConfig, local_dir: str | None) -> str | None:
+    """The custom handler option.entryPoint names (a .py file's path, or a module name), or model.py in the
+    model dir when it is unset (DJL's rule); None: our engines. A built-in DJL name we cannot serve, or a
+    handler file that is not there, is a ConfigError."""
+    entry = (cfg["option.entryPoint"] or "").strip()
+    if not entry:
+        found = os.path.join(local_dir, "model.py") if local_dir else ""
+        return found if found and os.path.isfile(found) else None
+    if entry in OUR_ENTRY_POINTS:
+        return None
+    if entry.startswith("djl_python."):
+        needs = REFUSED_ENTRY_POINTS.get(entry)
+        why = f"it runs on {needs}, which this container does not have" if needs else "lmi-serve has no such handler"
+        raise ConfigError(f"option.entryPoint={entry}: {why}; use djl_python.huggingface (lmi-serve's engines: "
+                          f"rolling batch, paged attention), djl_python.lmi_vllm, or a model.py of your own")
+    if entry.endswith(".py"):
+        path = entry if os.path.isabs(entry) else os.path.join(local_dir or "", entry)
+        if not os.path.isfile(path):
+            raise ConfigError(f"option.entryPoint={entry}: no such file {path}")
+        return path
+    return entry  # a module importable from the model dir or the environment
+
+
+def handler_properties(cfg: ResolvedConfig, local_dir: str) -> dict[str, str]:
+    """What a custom handler's warm-up call gets as properties: every key set, option.* without the prefix
+    (DJL's), and model_dir."""
+    props = {(key[len("option."):] if key.startswith("option.") else key): value for key, value in cfg.raw.items()}
+    props["model_dir"] = local_dir
+    return props
+
+
 def select_engine(cfg: ResolvedConfig, spec: ModelSpec | None) -> str:
     """DJL's rules: batch_size>1 or disable → dynamic; scheduler → padded; lmi-dist → paged;
     auto → paged unless paged_attention=false or the model cannot use our paged KV cache (a fallback
     architecture whose attention does not go through transformers' attention interface, or
     trust_remote_code)."""
     rb = cfg["option.rolling_batch"]
+    if rb == "auto" and not cfg.is_set("option.rolling_batch"):  # DJL's lmi_vllm / lmi_dist entry points
+        rb = OUR_ENTRY_POINTS.get((cfg["option.entryPoint"] or "").strip()) or rb
     if rb == "disable" or cfg["batch_size"] > 1:
         return ENGINE_DYNAMIC
     if rb == "scheduler":
@@ -248,6 +294,9 @@ def build(cfg: ResolvedConfig, *, local_dir: str, spec: ModelSpec | None,
           download_dir: str = "") -> LmiConfig:
     """The typed configuration the engine and HTTP workers run with. adapters: option.adapters with
     each location resolved to a local directory (by the caller, which fetches S3 and hub ones)."""
+    handler = custom_handler(cfg, local_dir)
+    if handler is not None:
+        return build_handler(cfg, handler, local_dir=local_dir, num_gpus=num_gpus, num_cpus=num_cpus, port=port)
     kind = select_engine(cfg, spec)
     fallback = fallback_reason(cfg, spec)
     if fallback and cfg["option.model_impl"] == "native":
@@ -292,17 +341,36 @@ def build(cfg: ResolvedConfig, *, local_dir: str, spec: ModelSpec | None,
         predict_timeout_s=float(cfg["option.predict_timeout"]), enforce_eager=cfg["option.enforce_eager"],
         cpu_compile=cfg["option.cpu_compile"], compile_cache_dir=cfg["option.compile_cache_dir"],
         attention_backend=cfg["option.attention_backend"], **speed_settings(cfg, kind))
-    server = ServerConfig(port=port, max_request_size=cfg["max_request_size"], http_workers=cfg["http_workers"],
-                          http_threads=cfg["http_threads"], output_formatter=cfg["option.output_formatter"],
-                          default_max_new_tokens=cfg["option.max_new_tokens"],
-                          model_loading_timeout_s=float(cfg["option.model_loading_timeout"]),
-                          max_inputs_per_request=cfg["max_inputs_per_request"],
-                          max_input_chars=cfg["max_input_chars"], drain_timeout_s=float(cfg["drain_timeout"]),
-                          served_model_name=served_model_name(cfg, local_dir),
-                          chat_template=cfg["option.chat_template"], tgi_compat=cfg["option.tgi_compat"],
-                          tool_call_parser=cfg["option.tool_call_parser"])
     return LmiConfig(model=model, scheduler=scheduler,
-                     parallel=ParallelConfig(use_mpi=use_mpi, tensor_parallel_degree=tp), server=server)
+                     parallel=ParallelConfig(use_mpi=use_mpi, tensor_parallel_degree=tp),
+                     server=server_config(cfg, local_dir, port))
+
+
+def server_config(cfg: ResolvedConfig, local_dir: str, port: int) -> ServerConfig:
+    return ServerConfig(port=port, max_request_size=cfg["max_request_size"], http_workers=cfg["http_workers"],
+                        http_threads=cfg["http_threads"], output_formatter=cfg["option.output_formatter"],
+                        default_max_new_tokens=cfg["option.max_new_tokens"],
+                        model_loading_timeout_s=float(cfg["option.model_loading_timeout"]),
+                        max_inputs_per_request=cfg["max_inputs_per_request"],
+                        max_input_chars=cfg["max_input_chars"], drain_timeout_s=float(cfg["drain_timeout"]),
+                        served_model_name=served_model_name(cfg, local_dir),
+                        chat_template=cfg["option.chat_template"], tgi_compat=cfg["option.tgi_compat"],
+                        tool_call_parser=cfg["option.tool_call_parser"])
+
+
+def build_handler(cfg: ResolvedConfig, handler: str, *, local_dir: str, num_gpus: int, num_cpus: int,
+                  port: int) -> LmiConfig:
+    """A custom handler's configuration: one engine process running its handle(); the model options
+    that drive our engines do not apply (it loads what it wants)."""
+    tp = resolve_tensor_parallel(cfg, num_gpus, num_cpus)
+    if tp > 1:
+        raise ConfigError(f"option.tensor_parallel_degree={tp} with a custom handler ({handler}): a handler runs "
+                          "as one process here; it may spread its own model over the devices (device_map)")
+    model = ModelConfig(local_dir=local_dir, model_id=cfg["option.model_id"], entry_point=handler,
+                        handler_properties=handler_properties(cfg, local_dir))
+    scheduler = SchedulerConfig(engine_kind=ENGINE_HANDLER, job_queue_size=cfg["job_queue_size"],
+                                predict_timeout_s=float(cfg["option.predict_timeout"]))
+    return LmiConfig(model=model, scheduler=scheduler, parallel=ParallelConfig(), server=server_config(cfg, local_dir, port))
 
 
 def check_lora(cfg: ResolvedConfig, kind: str, fallback: str | None) -> None:

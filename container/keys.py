@@ -244,6 +244,11 @@ KEYS: tuple[Key, ...] = (
         "not a local path, else the model dir's name)"),
     Key("option.chat_template", text, None,
         "chat template: a file path or an inline Jinja template (default: the tokenizer's)"),
+    Key("option.entryPoint", text, None,
+        "the handler: a custom handler file (model.py, or <name>.py in the model dir, or a path) or module whose "
+        "handle(inputs) serves /invocations with DJL's djl_python API; djl_python.huggingface (our engines), "
+        "djl_python.lmi_vllm / djl_python.vllm (the paged engine); other built-in DJL handlers are refused. Unset: "
+        "model.py in the model dir when there is one, else our engines (docs/custom-handlers.md)"),
     Key("option.tool_call_parser", choice("llama3_json", "hermes", "mistral"), None,
         "how tool calls are read from the model's reply with tool_choice=auto (llama3_json: Llama 3.x JSON; hermes: "
         "<tool_call> blocks (Qwen, Hermes); mistral: [TOOL_CALLS]); unset: auto is refused, required and a named "
@@ -259,7 +264,7 @@ KEYS: tuple[Key, ...] = (
 
 # DJL keys that are accepted for compatibility but change nothing here (no warning for them).
 ACCEPTED_UNUSED = frozenset({
-    "option.entryPoint", "option.mpi_mode", "option.task", "option.device_map",
+    "option.mpi_mode", "option.task", "option.device_map",
     "option.enable_streaming", "option.low_cpu_mem_usage", "option.disable_flash_attn",
     "minWorkers", "maxWorkers", "gpu.minWorkers", "gpu.maxWorkers", "max_idle_time",
     "load_on_devices", "option.parallel_loading", "option.load_format",

@@ -95,6 +95,9 @@ def first_problem(config: LmiConfig, host: str, env: dict[str, str]) -> str | No
     checks = (lambda: check_model_files(model_dir), lambda: check_tokenizer(model_dir),
               lambda: check_weights_readable(model_dir), lambda: check_mpirun(config, env.get("PATH")),
               lambda: check_port(host, config.server.port))
+    if config.model.entry_point is not None:  # a custom handler loads what it wants, from wherever
+        checks = (lambda: None if os.path.isdir(model_dir) else f"the model directory {model_dir} does not exist",
+                  lambda: check_port(host, config.server.port))
     for check in checks:
         problem = check()
         if problem:

@@ -15,7 +15,8 @@ import msgspec
 ENGINE_DYNAMIC = "dynamic"
 ENGINE_ROLLING = "rolling"
 ENGINE_PAGED = "paged"
-ENGINE_KINDS = (ENGINE_DYNAMIC, ENGINE_ROLLING, ENGINE_PAGED)
+ENGINE_HANDLER = "handler"  # a custom handler (model.py): engines/handler_engine.py
+ENGINE_KINDS = (ENGINE_DYNAMIC, ENGINE_ROLLING, ENGINE_PAGED, ENGINE_HANDLER)
 
 # Architectures with our own (TP-aware) implementation; anything else runs on the HF fallback path,
 # which only the padded rolling-batch engine (and dynamic batching) can drive.
@@ -38,6 +39,10 @@ class ModelConfig(msgspec.Struct, frozen=True):
     max_cpu_loras: int = 4
     adapters: dict[str, str] = {}  # option.adapters: name → local PEFT directory (S3 fetched by the launcher)
     download_dir: str = ""  # where S3 artifacts go (adapters registered at run time too)
+    # a custom handler (engine kind "handler"): its file (a path) or module name, and the properties its
+    # warm-up call receives (serving.properties' keys, option.* without the prefix, and model_dir)
+    entry_point: str | None = None
+    handler_properties: dict[str, str] = {}
 
 
 class SchedulerConfig(msgspec.Struct, frozen=True):

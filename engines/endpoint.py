@@ -18,7 +18,7 @@ import msgspec
 import zmq
 
 from engines import ipc, protocol
-from engines.protocol import Abort, AdapterCommand, Add, Health, HealthReply, Output
+from engines.protocol import Abort, AdapterCommand, Add, HandlerCall, Health, HealthReply, Output
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class EngineEndpoint:
             reply = msgspec.structs.replace(self._health(), nonce=msg.nonce)
             self._outbox.put([identity, protocol.encode(reply)])
             return
-        if isinstance(msg, (Add, AdapterCommand)):
+        if isinstance(msg, (Add, AdapterCommand, HandlerCall)):
             self._owners[msg.request_id] = identity
         else:  # Abort: nobody waits for its outputs any more
             self._owners.pop(msg.request_id, None)
@@ -105,7 +105,7 @@ class EngineEndpoint:
             identity = self._owners.get(out.request_id)
             if identity is None:
                 continue  # aborted: nobody is waiting
-            if not isinstance(out, Output) or out.finished:  # (an AdapterReply is the only one)
+            if not isinstance(out, Output) or out.finished:  # (an AdapterReply / HandlerReply is the only one)
                 del self._owners[out.request_id]
             self._outbox.put([identity, frame])
 

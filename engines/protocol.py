@@ -1,7 +1,7 @@
 """Messages between the HTTP workers and the engine (ZeroMQ frames, msgpack via msgspec).
 
-    worker ──ADD / ABORT / HEALTH / ADAPTER_COMMAND──►  engine (ROUTER)
-    worker ◄──OUTPUT / HEALTH_REPLY / ADAPTER_REPLY───  engine
+    worker ──ADD / ABORT / HEALTH / ADAPTER_COMMAND / HANDLER_CALL──►  engine (ROUTER)
+    worker ◄──OUTPUT / HEALTH_REPLY / ADAPTER_REPLY / HANDLER_REPLY───  engine
 
 Each worker process holds one DEALER socket; the engine replies to the socket a request came from.
 Token ids travel once (in ADD); outputs carry only the new token ids of each step.
@@ -114,8 +114,27 @@ class Output(msgspec.Struct, tag="output", frozen=True):
     prompt_top_tokens: list[list[tuple[int, float]]] | None = None
 
 
-ToEngine = Add | Abort | Health | AdapterCommand
-FromEngine = Output | HealthReply | AdapterReply
+class HandlerCall(msgspec.Struct, tag="handler_call", frozen=True):
+    """One HTTP request for a custom handler (engines/handler_engine.py): its headers and body, as DJL's
+    Input carries them; answered with one HandlerReply."""
+
+    request_id: str
+    properties: dict[str, str]
+    content: list[tuple[str, bytes]]
+
+
+class HandlerReply(msgspec.Struct, tag="handler_reply", frozen=True):
+    """The handler's Output: status code and message, properties (headers), content (the body)."""
+
+    request_id: str
+    code: int
+    message: str
+    properties: dict[str, str] = {}
+    content: list[tuple[str | None, bytes]] = []
+
+
+ToEngine = Add | Abort | Health | AdapterCommand | HandlerCall
+FromEngine = Output | HealthReply | AdapterReply | HandlerReply
 
 _encoder = msgspec.msgpack.Encoder()
 _to_engine = msgspec.msgpack.Decoder(ToEngine)

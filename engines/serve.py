@@ -16,19 +16,19 @@ import threading
 
 import msgspec
 
-from engines.config import ENGINE_DYNAMIC, ENGINE_PAGED, ENGINE_ROLLING, LmiConfig
+from engines.config import ENGINE_DYNAMIC, ENGINE_HANDLER, ENGINE_PAGED, ENGINE_ROLLING, LmiConfig
 from engines.dist import Communicator, SingleProcess, make_communicator, rank_info
 from engines.endpoint import EngineEndpoint
 from engines.ipc import high_water_mark
-from engines.protocol import (FINISH_ERROR, STATE_DEAD, STATE_LOADING, STATE_READY, Add, HealthReply, Output,
-                              engine_socket_path, ready_path, write_failure)
-from engines.errors import FatalStepError
+from engines.protocol import (FINISH_ERROR, STATE_DEAD, STATE_LOADING, STATE_READY, Add, HandlerCall, HandlerReply,
+                              HealthReply, Output, engine_socket_path, ready_path, write_failure)
+from engines.errors import FatalStepError, HandlerError
 from engines.startup import TIMELINE, process_age, startup_path
 
 log = logging.getLogger("engines.serve")
 
 
-def build_engine(config: LmiConfig, publish, comm: Communicator):
+def build_engine(config: LmiConfig, publish, comm: Communicator, run_dir: str | None = None):
     kind = config.scheduler.engine_kind
     if kind == ENGINE_DYNAMIC:
         from engines.dynamic.batcher import DynamicEngine
@@ -42,6 +42,10 @@ def build_engine(config: LmiConfig, publish, comm: Communicator):
         from engines.worker.paged_engine import PagedEngine
 
         return PagedEngine(config, publish, comm)
+    if kind == ENGINE_HANDLER:
+        from engines.handler_engine import HandlerEngine
+
+        return HandlerEngine(config, publish, run_dir)
     raise ValueError(f"unknown engine kind {kind!r}")
 
 
@@ -94,6 +98,9 @@ class EngineProcess:
                 if isinstance(msg, Add):
                     self.endpoint.publish([Output(msg.request_id, [], finished=True, finish_reason=FINISH_ERROR,
                                                   error_code=503, error=f"the engine is not available: {self.detail}")])
+                elif isinstance(msg, HandlerCall):
+                    self.endpoint.publish([HandlerReply(msg.request_id, 503, "the engine is not available",
+                                                        {}, [(None, self.detail.encode())])])
                 return
         self.engine.submit(msg)
 
@@ -126,12 +133,13 @@ class EngineProcess:
     def run(self) -> int:
         self.endpoint.start()
         try:
-            engine = build_engine(self.config, self.endpoint.publish, self.comm)
+            engine = build_engine(self.config, self.endpoint.publish, self.comm, self.run_dir)
             TIMELINE.record("engine_imports", process_age(), "interpreter, torch, transformers, engine modules")
             engine.load()
         except Exception as exc:
             log.exception("engine failed to load")
-            self.die(f"the engine failed to load the model: {type(exc).__name__}: {exc}")
+            self.die(str(exc) if isinstance(exc, HandlerError) else
+                     f"the engine failed to load the model: {type(exc).__name__}: {exc}")
             self.endpoint.close()
             return 3
         self.become_ready(engine)

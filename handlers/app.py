@@ -34,6 +34,7 @@ from handlers.formatters import JSONLINES, SSE, collect, response_body, stream_l
 from handlers.generation import ClientGone, Generation, client_gone
 from handlers.metrics import render as render_metrics
 from handlers.request_metrics import REQUEST_METRICS
+from handlers import custom
 from handlers.chat_template import ChatTemplate
 from handlers.adapter_routes import register as register_adapters
 from handlers.openai_routes import djl_chat
@@ -61,9 +62,10 @@ class Service:
         self.run_dir = run_dir
         self.client = client
         self.tokenizer = tokenizer
-        spec = ModelSpec.of(config.model)
-        self.max_model_len = spec.max_model_len
-        self.vocab_size = spec.vocab_size or tokenizer.vocab_size  # logit_bias ids must be below it
+        self.handler = config.model.entry_point  # a custom handler serves /invocations (handlers/custom.py)
+        spec = ModelSpec.of(config.model) if self.handler is None else None
+        self.max_model_len = spec.max_model_len if spec else 0
+        self.vocab_size = (spec.vocab_size or tokenizer.vocab_size) if spec else 0  # logit_bias ids must be below it
         self.is_dynamic = config.scheduler.engine_kind == ENGINE_DYNAMIC
         self.limits = RequestLimits(config.server.max_inputs_per_request, config.server.max_input_chars)
         self.engine_ready = False
@@ -177,8 +179,10 @@ class Service:
 def create_app(run_dir: str) -> Flask:
     config = LmiConfig.read(os.path.join(run_dir, "config.json"))
     try:
-        tokenizer = TextTokenizer(config.model.local_dir)
-        template = ChatTemplate.load(config.model.local_dir, config.server.chat_template)
+        tokenizer = template = None
+        if config.model.entry_point is None:  # (a custom handler tokenizes for itself, if at all)
+            tokenizer = TextTokenizer(config.model.local_dir)
+            template = ChatTemplate.load(config.model.local_dir, config.server.chat_template)
     except Exception as exc:  # the launcher reports this sentence as the reason the server did not start
         write_failure(run_dir, "http", f"the HTTP workers could not load the tokenizer or chat template: {exc}")
         raise
@@ -225,6 +229,8 @@ def build_app(service: Service) -> Flask:
         g.counted = request.path not in UNCOUNTED_PATHS
         if g.counted:
             REQUEST_METRICS.request_started()
+        if service.handler is not None and not custom.serves(request.path):
+            raise HttpError(404, custom.ROUTE_REFUSAL)
 
     @app.after_request
     def _tag(resp: Response):
@@ -286,6 +292,9 @@ def build_app(service: Service) -> Flask:
     @app.post("/invocations")
     @app.post("/predictions/<model_name>")
     def invocations(model_name: str | None = None):
+        if service.handler is not None:
+            service.require_ready()
+            return custom.call(service, read_body(request.environ, request.content_length, max_body))
         body = _parse(read_body(request.environ, request.content_length, max_body), request.content_type, parse_body)
         if isinstance(body, dict) and "messages" in body:
             return djl_chat(run_openai, render_chat, service, body)

@@ -44,7 +44,7 @@ def tgi_details(gen: Generation, tokens: list[dict] | None, special_ids: frozens
 
 
 def register(app: Flask, service, read_body: Callable[[], bytes], to_json):
-    special = service.tokenizer.special_ids
+    special = service.tokenizer.special_ids if service.tokenizer is not None else frozenset()  # (custom handler: none)
 
     @app.get("/info")
     def info():
