@@ -40,6 +40,7 @@ ENV_ALIASES = (
     ("HF_MODEL_QUANTIZE", "option.quantize"),
     ("CUDA_MEMORY_FRACTION", "option.gpu_memory_utilization"),
     ("DJL_ENTRY_POINT", "option.entryPoint"),  # DJL's, below OPTION_ENTRYPOINT
+    ("SAGEMAKER_NUM_MODEL_WORKERS", "maxWorkers"),
     ("SAGEMAKER_MAX_REQUEST_SIZE", "max_request_size"),
 )
 _UPPER = re.compile(r"^[A-Z0-9_]+$")
@@ -342,8 +343,44 @@ def build(cfg: ResolvedConfig, *, local_dir: str, spec: ModelSpec | None,
         cpu_compile=cfg["option.cpu_compile"], compile_cache_dir=cfg["option.compile_cache_dir"],
         attention_backend=cfg["option.attention_backend"], **speed_settings(cfg, kind))
     return LmiConfig(model=model, scheduler=scheduler,
-                     parallel=ParallelConfig(use_mpi=use_mpi, tensor_parallel_degree=tp),
+                     parallel=placement(cfg, use_mpi, tp, num_gpus, num_cpus),
                      server=server_config(cfg, local_dir, port))
+
+
+def model_copies(cfg: ResolvedConfig, use_mpi: bool, tp: int, num_gpus: int, num_cpus: int) -> int:
+    """maxWorkers, else minWorkers, else DJL's default: #GPUs / TP under MPI on GPUs, else one; more copies
+    than the devices (on CPU: cores) hold is a ConfigError."""
+    low, high = cfg["minWorkers"], cfg["maxWorkers"]
+    if low is not None and high is not None and low > high:
+        raise ConfigError(f"minWorkers={low} exceeds maxWorkers={high}")
+    asked = high if high is not None else low
+    limit, what = (num_gpus // tp, f"{num_gpus} GPUs") if num_gpus else (num_cpus // tp, f"{num_cpus} CPU cores")
+    if asked is None:
+        return max(1, limit) if use_mpi and num_gpus else 1
+    if asked > max(limit, 1):
+        raise CapacityError(f"maxWorkers={asked}: this machine's {what} hold at most {max(limit, 1)} copies of "
+                            f"tensor_parallel_degree={tp}; lower maxWorkers (or minWorkers)")
+    return asked
+
+
+def placement(cfg: ResolvedConfig, use_mpi: bool, tp: int, num_gpus: int, num_cpus: int) -> ParallelConfig:
+    """The copies and what each holds: GPU copy i the devices i*TP ... i*TP+TP-1 (as CUDA_VISIBLE_DEVICES
+    numbers them, DJL's rule), CPU copy i an equal share of this process's cores."""
+    copies = model_copies(cfg, use_mpi, tp, num_gpus, num_cpus)
+    if copies > 1 and cfg["option.enable_lora"]:
+        raise ConfigError(f"maxWorkers={copies} with option.enable_lora=true: not supported together yet (adapters "
+                          "are registered with one engine); serve LoRA adapters with one copy")
+    if copies == 1:
+        return ParallelConfig(use_mpi=use_mpi, tensor_parallel_degree=tp)
+    if num_gpus:
+        visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()] or \
+            [str(i) for i in range(num_gpus)]
+        return ParallelConfig(use_mpi=use_mpi, tensor_parallel_degree=tp, copies=copies,
+                              copy_devices=[visible[i * tp:(i + 1) * tp] for i in range(copies)])
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(num_cpus))
+    share = len(cores) // copies
+    return ParallelConfig(use_mpi=use_mpi, tensor_parallel_degree=tp, copies=copies,
+                          copy_cores=[cores[i * share:(i + 1) * share] for i in range(copies)])
 
 
 def server_config(cfg: ResolvedConfig, local_dir: str, port: int) -> ServerConfig:

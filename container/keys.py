@@ -244,6 +244,13 @@ KEYS: tuple[Key, ...] = (
         "not a local path, else the model dir's name)"),
     Key("option.chat_template", text, None,
         "chat template: a file path or an inline Jinja template (default: the tokenizer's)"),
+    Key("maxWorkers", integer(1), None,
+        "model copies on this host, each an engine group of option.tensor_parallel_degree devices (on CPU: an equal "
+        "share of the cores) behind the one front end, which sends each request to the copy with the fewest "
+        "outstanding tokens; a copy that dies is restarted. Unset: minWorkers, else with engine=MPI on GPUs "
+        "#GPUs / tensor_parallel_degree (DJL's rule), else 1 (docs/copies.md)"),
+    Key("minWorkers", integer(1), None, "DJL's lower bound of model copies: the count when maxWorkers is unset "
+        "(copies are not scaled between the two)"),
     Key("option.entryPoint", text, None,
         "the handler: a custom handler file (model.py, or <name>.py in the model dir, or a path) or module whose "
         "handle(inputs) serves /invocations with DJL's djl_python API; djl_python.huggingface (our engines), "
@@ -266,8 +273,7 @@ KEYS: tuple[Key, ...] = (
 ACCEPTED_UNUSED = frozenset({
     "option.mpi_mode", "option.task", "option.device_map",
     "option.enable_streaming", "option.low_cpu_mem_usage", "option.disable_flash_attn",
-    "minWorkers", "maxWorkers", "gpu.minWorkers", "gpu.maxWorkers", "max_idle_time",
-    "load_on_devices", "option.parallel_loading", "option.load_format",
+    "max_idle_time", "load_on_devices", "option.parallel_loading", "option.load_format",
 })
 
 KEYS_BY_NAME = {k.name: k for k in KEYS}
@@ -279,7 +285,10 @@ KEY_ALIASES = {"max_dynamic_batch_size": "batch_size",
                "option.max_num_batched_tokens": "option.max_rolling_batch_prefill_tokens",
                "option.speculative_draft_model": "option.speculative_model",
                "option.speculative_length": "option.num_speculative_tokens",
-               "option.lora_modules": "option.adapters"}
+               "option.lora_modules": "option.adapters",
+               # DJL's worker counts (model copies): the GPU spellings and SERVING_MIN/MAX_WORKERS
+               "gpu.minWorkers": "minWorkers", "gpu.maxWorkers": "maxWorkers", "cpu.minWorkers": "minWorkers",
+               "cpu.maxWorkers": "maxWorkers", "min_workers": "minWorkers", "max_workers": "maxWorkers"}
 
 # DJL and vLLM settings lmi-serve does not implement: ignored with a warning that says so, never
 # with a "did you mean" pointing at an unrelated key of ours.

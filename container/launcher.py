@@ -3,7 +3,8 @@
     launcher ──► engine      python -m engines.serve --run-dir D     (engine=MPI: under mpirun)
              └─► gunicorn    handlers.app:create_app(D), threaded workers
     cannot start           → preflight (model files, tokenizer, weights, mpirun, port): one line, exit 2
-    engine dies            → stop gunicorn, exit non-zero
+    engine dies            → stop gunicorn, exit non-zero; with several model copies (maxWorkers), a copy
+                             that dies after it served is restarted and the others go on
     gunicorn dies          → stop the engine, exit non-zero
     SIGTERM / SIGINT       → drain: the workers answer 503 to new requests (and /ping), requests in
                              flight get drain_timeout seconds to finish and are then aborted with a
@@ -29,8 +30,8 @@ import time
 from container.preflight import first_problem
 from engines.config import LmiConfig
 from engines.startup import TIMELINE, startup_path
-from engines.protocol import (draining_path, engine_socket_path, read_failure, ready_path, write_atomically,
-                              write_failure)
+from engines.protocol import (CORES_ENV, copy_dirs, draining_path, engine_socket_path, failure_path, read_failure,
+                              ready_path, write_atomically, write_failure)
 
 log = logging.getLogger("container.launcher")
 
@@ -78,17 +79,23 @@ class Launcher:
             log.error("lmi-serve did not start: %s", problem)
             shutil.rmtree(self.run_dir, ignore_errors=True)
             return 2
-        with open(os.path.join(self.run_dir, "config.json"), "wb") as f:
-            f.write(self.config.to_json())
-        TIMELINE.write(startup_path(self.run_dir))  # the launcher's phases, for the engine to carry on
+        copies = [EngineCopy(i, d, self.config) for i, d in enumerate(copy_dirs(self.run_dir,
+                                                                               self.config.parallel.copies))]
+        for directory in {self.run_dir, *(c.dir for c in copies)}:
+            os.makedirs(directory, exist_ok=True)
+            with open(os.path.join(directory, "config.json"), "wb") as f:
+                f.write(self.config.to_json())
+            TIMELINE.write(startup_path(directory))  # the launcher's phases, for the engine to carry on
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
-        engine = self._spawn("engine", engine_command(self.config, self.run_dir))
+        for c in copies:
+            c.proc = self._spawn("engine" if len(copies) == 1 else f"engine copy {c.index}", c.command(),
+                                 c.environment(self.env))
         http = self._spawn("gunicorn", gunicorn_command(self.config, self.run_dir, self.host))
         try:
-            return self._supervise(engine, http)
+            return self._supervise(copies, http)
         finally:
-            for proc in (http, engine):
+            for proc in (http, *(c.proc for c in copies)):
                 _stop(proc, signal.SIGTERM, STOP_GRACE_S)
             shutil.rmtree(self.run_dir, ignore_errors=True)
             if self.failure:  # the last line of the log: after the children's own last words
@@ -99,72 +106,134 @@ class Launcher:
             log.info("received %s: draining", signal.Signals(signum).name)
         self._stopping = True
 
-    def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
+    def _spawn(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         log.info("starting %s: %s", name, " ".join(cmd))
-        return subprocess.Popen(cmd, env=self.env, start_new_session=True)
+        return subprocess.Popen(cmd, env=env or self.env, start_new_session=True)
 
-    def _supervise(self, engine: subprocess.Popen, http: subprocess.Popen) -> int:
-        started = time.monotonic()
+    def _supervise(self, copies: list["EngineCopy"], http: subprocess.Popen) -> int:
+        """One copy: its death stops the server (SageMaker replaces the container). Several: a copy that
+        dies after it served is restarted while the others go on; one that never got ready stops the server."""
         while True:
             if self._stopping:
-                return self._drain(engine, http)
-            if engine.poll() is not None:
-                self.ready = self.ready or os.path.exists(ready_path(self.run_dir))
-                self.failure = read_failure(self.run_dir, "engine") or f"the engine exited with code {engine.returncode}"
-                log.error("%s: stopping the server", self.failure)
-                self._mark_dead(self.failure)
-                return engine.returncode or 1
+                return self._drain(copies, http)
+            for c in copies:
+                if c.restart_at is not None:
+                    if time.monotonic() >= c.restart_at:
+                        c.clear()
+                        c.proc = self._spawn(f"engine copy {c.index} again", c.command(), c.environment(self.env))
+                    continue
+                if c.proc.poll() is not None:
+                    c.ready = c.ready or os.path.exists(ready_path(c.dir))
+                    reason = read_failure(c.dir, "engine") or f"the engine exited with code {c.proc.returncode}"
+                    if len(copies) == 1 or not c.ready:
+                        self.ready = self.ready or c.ready
+                        self.failure = reason if len(copies) == 1 else f"model copy {c.index}: {reason}"
+                        log.error("%s: stopping the server", self.failure)
+                        self._mark_dead(copies, self.failure)
+                        return c.proc.returncode or 1
+                    log.error("model copy %d died (%s): restarting it; the other copies go on serving", c.index,
+                              reason)
+                    if read_failure(c.dir, "engine") is None:  # its HTTP requests fail with 424 now
+                        write_failure(c.dir, "engine", reason)
+                    c.restarts += 1
+                    c.ready, c.restart_at = False, time.monotonic() + DEAD_LINGER_S
+                elif not c.ready:
+                    c.ready = self._check_loading(c)
+                    if self.failure:
+                        return 1
             if http.poll() is not None:
                 self.failure = read_failure(self.run_dir, "http") or f"gunicorn exited with code {http.returncode}"
                 log.error("%s: stopping the engine", self.failure)
                 return http.returncode or 1
-            if not self.ready:
-                self.ready = self._check_loading(started)
-                if self.failure:
-                    return 1
             time.sleep(POLL_S)
 
-    def _check_loading(self, started: float) -> bool:
-        if os.path.exists(ready_path(self.run_dir)):
-            port = self.config.server.port
-            log.info("engine ready after %.1f s; try:\n  curl -s http://localhost:%d/invocations "
-                     "-H 'Content-Type: application/json' "
-                     "-d '{\"inputs\": \"The river ran\", \"parameters\": {\"max_new_tokens\": 20}}'",
-                     time.monotonic() - started, port)
+    def _check_loading(self, c: "EngineCopy") -> bool:
+        if os.path.exists(ready_path(c.dir)):
+            if not self.ready:
+                port = self.config.server.port
+                log.info("engine ready after %.1f s; try:\n  curl -s http://localhost:%d/invocations "
+                         "-H 'Content-Type: application/json' "
+                         "-d '{\"inputs\": \"The river ran\", \"parameters\": {\"max_new_tokens\": 20}}'",
+                         time.monotonic() - c.started, port)
+            elif c.restarts:
+                log.info("model copy %d is back after %.1f s", c.index, time.monotonic() - c.started)
+            self.ready = True
             return True
         limit = self.config.server.model_loading_timeout_s
-        if time.monotonic() - started > limit:
+        if time.monotonic() - c.started > limit:
             self.failure = f"the engine was not ready within option.model_loading_timeout={limit:.0f} s"
         return False
 
-    def _mark_dead(self, reason: str) -> None:
+    def _mark_dead(self, copies: list["EngineCopy"], reason: str) -> None:
         """Tell the HTTP workers (503 on /ping, 424 for requests in flight) before they go down,
         unless the engine has said so itself."""
-        if read_failure(self.run_dir, "engine") is None:
-            write_failure(self.run_dir, "engine", reason)
+        for c in copies:
+            if read_failure(c.dir, "engine") is None:
+                write_failure(c.dir, "engine", reason)
         time.sleep(DEAD_LINGER_S)
 
-    def _drain(self, engine: subprocess.Popen, http: subprocess.Popen) -> int:
+    def _drain(self, copies: list["EngineCopy"], http: subprocess.Popen) -> int:
         """New requests get 503 from now on; those in flight finish, or are aborted at the deadline."""
         from handlers.engine_client import EngineClient
 
-        probe = EngineClient(engine_socket_path(self.run_dir))
+        probes = [EngineClient(engine_socket_path(c.dir)) for c in copies]
         budget = self.config.server.drain_timeout_s
         deadline = time.time() + budget
         write_atomically(draining_path(self.run_dir), repr(deadline))
         log.info("draining: new requests get 503; requests in flight have %g s to finish", budget)
         idle_in_a_row = 0
-        while idle_in_a_row < 2 and time.time() < deadline + POLL_S and engine.poll() is None:
-            reply = probe.health(timeout=POLL_S)
-            idle = reply is not None and reply.num_running == 0 and reply.num_waiting == 0
+        while idle_in_a_row < 2 and time.time() < deadline + POLL_S and \
+                any(c.proc.poll() is None for c in copies):
+            replies = [p.health(timeout=POLL_S) if c.proc.poll() is None else None for p, c in zip(probes, copies)]
+            idle = all(r is None and c.proc.poll() is not None or r is not None and r.num_running == 0 and
+                       r.num_waiting == 0 for r, c in zip(replies, copies))
             idle_in_a_row = idle_in_a_row + 1 if idle else 0
             time.sleep(POLL_S)
         # gunicorn lets the responses still being written finish; a request still running at the
         # deadline is aborted by its worker with a 503
         _stop(http, signal.SIGTERM, max(deadline - time.time(), 0) + STOP_GRACE_S)
-        _stop(engine, signal.SIGTERM, STOP_GRACE_S)
+        for c in copies:
+            _stop(c.proc, signal.SIGTERM, STOP_GRACE_S)
         log.info("stopped")
         return 0
+
+
+class EngineCopy:
+    """One model copy's engine group: its directory, its devices or cores, its process."""
+
+    def __init__(self, index: int, directory: str, config: LmiConfig):
+        self.index = index
+        self.dir = directory
+        self.config = config
+        self.proc: subprocess.Popen | None = None
+        self.ready = False
+        self.started = time.monotonic()
+        self.restarts = 0
+        self.restart_at: float | None = None
+
+    def command(self) -> list[str]:
+        self.started = time.monotonic()
+        return engine_command(self.config, self.dir)
+
+    def environment(self, base: dict[str, str]) -> dict[str, str]:
+        """Its GPUs (CUDA_VISIBLE_DEVICES) or cores (LMI_CPU_CORES, engines/serve.py pins to them)."""
+        env = dict(base)
+        par = self.config.parallel
+        if par.copy_devices:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(par.copy_devices[self.index])
+        if par.copy_cores:
+            env[CORES_ENV] = ",".join(str(c) for c in par.copy_cores[self.index])
+            env["OMP_NUM_THREADS"] = str(max(1, len(par.copy_cores[self.index]) // par.tensor_parallel_degree))
+        return env
+
+    def clear(self) -> None:
+        """Before a restart: the last life's ready and failure files go."""
+        for path in (ready_path(self.dir), failure_path(self.dir, "engine")):
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
+        self.restart_at = None
 
 
 def _stop(proc: subprocess.Popen, sig: int, grace: float) -> None:

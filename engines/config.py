@@ -78,6 +78,11 @@ class SchedulerConfig(msgspec.Struct, frozen=True):
 class ParallelConfig(msgspec.Struct, frozen=True):
     use_mpi: bool = False
     tensor_parallel_degree: int = 1
+    # model copies on this host (maxWorkers; docs/copies.md): each an engine group of its own, pinned to its
+    # GPUs (copy_devices: CUDA ids) or, on CPU, its cores (copy_cores); empty: one copy, not pinned
+    copies: int = 1
+    copy_devices: list[list[str]] = []
+    copy_cores: list[list[int]] = []
 
 
 class ServerConfig(msgspec.Struct, frozen=True):

@@ -153,6 +153,15 @@ def decode_from_engine(data: bytes) -> FromEngine:
     return _from_engine.decode(data)
 
 
+CORES_ENV = "LMI_CPU_CORES"  # a model copy's cores on CPU, set by the launcher (engines/serve.py pins to them)
+
+
+def copy_dirs(run_dir: str, copies: int) -> list[str]:
+    """Each model copy's directory (its config, socket, ready and failure files): the run directory
+    itself for one copy, run_dir/copy-<i> for several (docs/copies.md)."""
+    return [run_dir] if copies <= 1 else [os.path.join(run_dir, f"copy-{i}") for i in range(copies)]
+
+
 def engine_socket_path(run_dir: str) -> str:
     return f"ipc://{run_dir}/engine.sock"
 

@@ -20,7 +20,7 @@ from engines.config import ENGINE_DYNAMIC, ENGINE_HANDLER, ENGINE_PAGED, ENGINE_
 from engines.dist import Communicator, SingleProcess, make_communicator, rank_info
 from engines.endpoint import EngineEndpoint
 from engines.ipc import high_water_mark
-from engines.protocol import (FINISH_ERROR, STATE_DEAD, STATE_LOADING, STATE_READY, Add, HandlerCall, HandlerReply,
+from engines.protocol import (CORES_ENV, FINISH_ERROR, STATE_DEAD, STATE_LOADING, STATE_READY, Add, HandlerCall, HandlerReply,
                               HealthReply, Output, engine_socket_path, ready_path, write_failure)
 from engines.errors import FatalStepError, HandlerError
 from engines.startup import TIMELINE, process_age, startup_path
@@ -159,6 +159,17 @@ class EngineProcess:
         return 0
 
 
+def pin_to_cores(spec: str | None, rank: int, world_size: int) -> list[int]:
+    """Pin this process to its share of the copy's cores ("0,1,2,3": rank r of w takes every w-th from r);
+    → the cores, [] when not pinned."""
+    if not spec or not hasattr(os, "sched_setaffinity"):
+        return []
+    cores = [int(c) for c in spec.split(",") if c.strip()]
+    mine = cores[rank::world_size] or cores
+    os.sched_setaffinity(0, mine)
+    return mine
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engines.serve")
     parser.add_argument("--run-dir", required=True)
@@ -167,10 +178,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s engine[{info.rank}] %(levelname)s %(name)s: %(message)s")
     config = LmiConfig.read(os.path.join(args.run_dir, "config.json"))
-    if info.world_size > 1:
+    cores = pin_to_cores(os.environ.get(CORES_ENV), info.rank, info.world_size)
+    if info.world_size > 1 or cores:
         import torch
 
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.world_size))  # cores shared by the ranks
+        torch.set_num_threads(max(1, len(cores) if cores else (os.cpu_count() or 1) // info.world_size))
     comm = make_communicator(info) if info.world_size > 1 else SingleProcess()
     if info.world_size > 1:
         # the default action, not a Python handler: a rank stuck in a collective with a dead peer

@@ -12,6 +12,7 @@ deadline are aborted with a 503).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import logging
@@ -29,6 +30,7 @@ from engines.models.spec import ModelSpec
 from engines.ipc import high_water_mark
 from engines.protocol import STATE_READY, AdapterInfo, draining_path, engine_socket_path, read_failure, write_failure
 from handlers.engine_client import EngineClient
+from handlers.engine_pool import EnginePool
 from handlers.errors import HttpError, bad_request
 from handlers.formatters import JSONLINES, SSE, collect, response_body, stream_lines
 from handlers.generation import ClientGone, Generation, client_gone
@@ -81,9 +83,13 @@ class Service:
         return list(reply.adapters)
 
     def engine_dead(self) -> str | None:
-        """Why the engine died, once the engine itself (a fatal step) or the launcher has said so."""
+        """Why the engine died, once the engine itself (a fatal step) or the launcher has said so; with
+        several model copies, once every copy has."""
         if self.run_dir is None:
             return None
+        if isinstance(self.client, EnginePool):
+            reasons = [self.client.dead(i) for i in range(len(self.client.clients))]
+            return reasons[0] if all(reasons) else None
         return read_failure(self.run_dir, "engine")
 
     def drain_deadline(self) -> float | None:
@@ -96,9 +102,13 @@ class Service:
                 return None
         return self._drain_deadline
 
-    def interrupted(self) -> HttpError | None:
-        """Why a request in flight must end now, if it must."""
+    def interrupted(self, request_id: str | None = None) -> HttpError | None:
+        """Why a request in flight must end now, if it must (with several copies: its copy died)."""
         dead = self.engine_dead()
+        if dead is None and request_id is not None and isinstance(self.client, EnginePool):
+            index = self.client.copy_of(request_id)
+            dead = self.client.dead(index) if index is not None else None
+            dead = f"model copy {index}: {dead}" if dead else None
         if dead:
             return HttpError(424, f"the model failed during generation: {dead}")
         deadline = self.drain_deadline()
@@ -164,8 +174,10 @@ class Service:
             for k in range(copies):
                 copy = req if k == 0 or req.sampling.seed is None else \
                     replace(req, sampling=msgspec.structs.replace(req.sampling, seed=req.sampling.seed + k))
-                gens.append(Generation(self.client, f"{request_id}-{len(gens)}", ids, text, copy, self.tokenizer,
-                                       self.interrupted, req.adapters[i] if req.adapters else None))
+                rid = f"{request_id}-{len(gens)}"
+                gens.append(Generation(self.client, rid, ids, text, copy, self.tokenizer,
+                                       functools.partial(self.interrupted, rid),
+                                       req.adapters[i] if req.adapters else None))
         return gens
 
     def streams_by_default(self, req: GenerationRequest) -> bool:
@@ -187,8 +199,10 @@ def create_app(run_dir: str) -> Flask:
         write_failure(run_dir, "http", f"the HTTP workers could not load the tokenizer or chat template: {exc}")
         raise
     sched = config.scheduler
-    client = EngineClient(engine_socket_path(run_dir), high_water_mark(sched.job_queue_size, sched.max_num_seqs),
-                          refresh_health=True)
+    hwm = high_water_mark(sched.job_queue_size, sched.max_num_seqs)
+    copies = config.parallel.copies
+    client = EnginePool(run_dir, copies, hwm) if copies > 1 else \
+        EngineClient(engine_socket_path(run_dir), hwm, refresh_health=True)
     REQUEST_METRICS.configure(run_dir)
     return build_app(Service(config, client, tokenizer, run_dir, template))
 
@@ -286,6 +300,8 @@ def build_app(service: Service) -> Flask:
         reply = service.client.health(PING_TIMEOUT_S)
         if reply is None:
             raise HttpError(503, "the engine is not responding")
+        if isinstance(service.client, EnginePool):  # each copy's own numbers, labelled
+            reply = service.client.healths(PING_TIMEOUT_S)
         return Response(render_metrics(reply, service.config.scheduler.engine_kind, REQUEST_METRICS.families),
                         mimetype="text/plain; version=0.0.4")
 

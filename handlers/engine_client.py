@@ -77,6 +77,11 @@ class EngineClient:
             self._streams.pop(request_id, None)
 
     @property
+    def snapshot(self) -> HealthReply | None:
+        """The latest health reply (kept fresh by the IO thread with refresh_health), no round trip."""
+        return self._snapshot
+
+    @property
     def num_in_flight(self) -> int:
         return len(self._streams)
 

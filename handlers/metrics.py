@@ -35,30 +35,49 @@ ENGINE_METRICS = {
 
 
 class _EngineCollector:
-    def __init__(self, reply: HealthReply, engine_kind: str):
-        self.reply = reply
+    """One engine's reply, or several model copies' (each sample then labelled copy="<i>")."""
+
+    def __init__(self, replies: list[tuple[str | None, HealthReply]], engine_kind: str):
+        self.replies = replies
         self.engine_kind = engine_kind
 
     def collect(self):
-        r = self.reply
-        up = GaugeMetricFamily("lmi_engine_ready", "1 when the engine is ready", labels=["engine", "state"])
-        up.add_metric([self.engine_kind, r.state], 1.0 if r.state == "ready" else 0.0)
+        copy = ["copy"] if self.replies and self.replies[0][0] is not None else []
+
+        def family(cls, name, doc, labels=()):
+            return cls(name, doc, labels=[*copy, *labels])
+
+        def key(label):
+            return [label] if label is not None else []
+
+        up = family(GaugeMetricFamily, "lmi_engine_ready", "1 when the engine is ready", ["engine", "state"])
+        plain = {"lmi_requests_waiting": (GaugeMetricFamily, "requests waiting for admission", "num_waiting"),
+                 "lmi_requests_running": (GaugeMetricFamily, "requests in the running batch", "num_running"),
+                 "lmi_engine_steps": (CounterMetricFamily, "engine steps (dynamic: batches; custom handler: calls)",
+                                      "num_batches"),
+                 "lmi_kv_slots_in_use": (GaugeMetricFamily, "KV token slots held", "num_kv_slots")}
+        families = {name: family(cls, name, doc) for name, (cls, doc, _) in plain.items()}
+        phases = family(GaugeMetricFamily, "lmi_startup_phase_seconds", "seconds each start-up phase took (ready: "
+                        "the whole cold start)", ["phase"])
+        engine: dict[str, object] = {}
+        for label, r in self.replies:
+            up.add_metric([*key(label), self.engine_kind, r.state], 1.0 if r.state == "ready" else 0.0)
+            for name, (_, _, field) in plain.items():
+                families[name].add_metric(key(label), getattr(r, field))
+            for phase, seconds in r.startup.items():
+                phases.add_metric([*key(label), phase], seconds)
+            for k, value in r.metrics.items():
+                if k in ENGINE_METRICS:
+                    name, doc, is_counter = ENGINE_METRICS[k]
+                    if name not in engine:
+                        engine[name] = family(CounterMetricFamily if is_counter else GaugeMetricFamily, name, doc)
+                    engine[name].add_metric(key(label), value)
         yield up
-        yield GaugeMetricFamily("lmi_requests_waiting", "requests waiting for admission", value=r.num_waiting)
-        yield GaugeMetricFamily("lmi_requests_running", "requests in the running batch", value=r.num_running)
-        yield CounterMetricFamily("lmi_engine_steps", "engine steps (dynamic: batches)", value=r.num_batches)
-        yield GaugeMetricFamily("lmi_kv_slots_in_use", "KV token slots held", value=r.num_kv_slots)
-        phases = GaugeMetricFamily("lmi_startup_phase_seconds", "seconds each start-up phase took (ready: the "
-                                   "whole cold start)", labels=["phase"])
-        for phase, seconds in r.startup.items():
-            phases.add_metric([phase], seconds)
+        yield from families.values()
         yield phases
-        yield from _adapter_families(r.adapters)
-        for key, value in r.metrics.items():
-            if key in ENGINE_METRICS:
-                name, doc, is_counter = ENGINE_METRICS[key]
-                family = CounterMetricFamily if is_counter else GaugeMetricFamily
-                yield family(name, doc, value=value)
+        for _, r in self.replies[:1]:  # (LoRA runs with one copy)
+            yield from _adapter_families(r.adapters)
+        yield from engine.values()
 
 
 # LoRA adapter → (Prometheus name, help, is a counter, its AdapterInfo field)
@@ -91,10 +110,13 @@ class _Families:
         yield from self.families()
 
 
-def render(reply: HealthReply, engine_kind: str, request_families=None) -> bytes:
-    """The engine's metrics, then (when given) the HTTP workers' request metrics."""
+def render(reply: HealthReply | list[HealthReply | None], engine_kind: str, request_families=None) -> bytes:
+    """The engine's metrics (several model copies' replies: labelled by copy, a copy that does not answer
+    left out), then (when given) the HTTP workers' request metrics."""
     registry = CollectorRegistry()
-    registry.register(_EngineCollector(reply, engine_kind))
+    replies = [(str(i), r) for i, r in enumerate(reply) if r is not None] if isinstance(reply, list) else \
+        [(None, reply)]
+    registry.register(_EngineCollector(replies, engine_kind))
     if request_families is not None:
         registry.register(_Families(request_families))
     return generate_latest(registry)
