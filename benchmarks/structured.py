@@ -67,7 +67,8 @@ def measure_one(model_dir: str, batch: int, prompt: int, new: int, dtype: str, c
     g = engine.paged.sampler.grammars.metrics()
     n = len(steps)
     return {"tok_s": generated[0] / wall, "decode_step_ms": 1e3 * statistics.median(steps[2:-1]), "steps": n,
-            "mask_ms_per_step": 1e3 * g["grammar_mask_seconds"] / n, "wait_ms_per_step": 1e3 * g["grammar_wait_seconds"] / n,
+            "mask_ms_per_step": 1e3 * g["grammar_mask_seconds"] / n,
+            "wait_ms_per_step": 1e3 * g["grammar_wait_seconds"] / n,
             "masks": g["grammar_masks"], "vocab": engine.runner.spec.vocab_size}
 
 

@@ -407,7 +407,8 @@ def build_handler(cfg: ResolvedConfig, handler: str, *, local_dir: str, num_gpus
                         handler_properties=handler_properties(cfg, local_dir))
     scheduler = SchedulerConfig(engine_kind=ENGINE_HANDLER, job_queue_size=cfg["job_queue_size"],
                                 predict_timeout_s=float(cfg["option.predict_timeout"]))
-    return LmiConfig(model=model, scheduler=scheduler, parallel=ParallelConfig(), server=server_config(cfg, local_dir, port))
+    return LmiConfig(model=model, scheduler=scheduler, parallel=ParallelConfig(),
+                     server=server_config(cfg, local_dir, port))
 
 
 def check_lora(cfg: ResolvedConfig, kind: str, fallback: str | None) -> None:

@@ -20,8 +20,8 @@ from engines.config import ENGINE_DYNAMIC, ENGINE_HANDLER, ENGINE_PAGED, ENGINE_
 from engines.dist import Communicator, SingleProcess, make_communicator, rank_info
 from engines.endpoint import EngineEndpoint
 from engines.ipc import high_water_mark
-from engines.protocol import (CORES_ENV, FINISH_ERROR, STATE_DEAD, STATE_LOADING, STATE_READY, Add, HandlerCall, HandlerReply,
-                              HealthReply, Output, engine_socket_path, ready_path, write_failure)
+from engines.protocol import (CORES_ENV, FINISH_ERROR, STATE_DEAD, STATE_LOADING, STATE_READY, Add, HandlerCall,
+                              HandlerReply, HealthReply, Output, engine_socket_path, ready_path, write_failure)
 from engines.errors import FatalStepError, HandlerError
 from engines.startup import TIMELINE, process_age, startup_path
 

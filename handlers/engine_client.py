@@ -20,7 +20,8 @@ import time
 import zmq
 
 from engines import ipc, protocol
-from engines.protocol import Abort, AdapterCommand, AdapterReply, Add, Health, HealthReply, Output
+from engines.protocol import (Abort, AdapterCommand, AdapterReply, Add, HandlerCall, HandlerReply, Health, HealthReply,
+                              Output)
 
 HEALTH_REFRESH_S = 0.5
 
@@ -58,15 +59,10 @@ class EngineClient:
         self._send(request)
         return q
 
-    def command(self, msg: AdapterCommand, timeout: float) -> AdapterReply | None:
-        """Send an adapter command and wait for its reply; None when none comes within `timeout` s."""
-        q = self.add(msg)
-        try:
-            return q.get(timeout=timeout)
-        except queue.Empty:
-            return None
-        finally:
-            self.release(msg.request_id)
+    def command(self, msg: AdapterCommand | HandlerCall, timeout: float) -> AdapterReply | HandlerReply | None:
+        """Send an adapter command (or a custom handler's call) and wait for its reply; None when none
+        comes within `timeout` s."""
+        return await_reply(self, msg, timeout)
 
     def abort(self, request_id: str) -> None:
         self.release(request_id)
@@ -145,3 +141,16 @@ class EngineClient:
                     del self._streams[msg.request_id]
         if q is not None:
             q.put(msg)
+
+
+def await_reply(sender, msg, timeout: float):
+    """Send a one-reply message through `sender` (an EngineClient or an EnginePool) and wait for the reply;
+    None when none comes within `timeout` seconds (the request id is released either way)."""
+    q = sender.add(msg)
+    try:
+        return q.get(timeout=timeout)
+    except queue.Empty:
+        return None
+    finally:
+        sender.release(msg.request_id)
+

@@ -16,7 +16,7 @@ import threading
 from engines import ipc
 from engines.protocol import (STATE_READY, Add, HandlerCall, HealthReply, copy_dirs, engine_socket_path,
                               read_failure)
-from handlers.engine_client import EngineClient
+from handlers.engine_client import EngineClient, await_reply
 
 
 class EnginePool:
@@ -63,13 +63,7 @@ class EnginePool:
 
     def command(self, msg, timeout: float):
         if isinstance(msg, HandlerCall):
-            q = self.add(msg)
-            try:
-                return q.get(timeout=timeout)
-            except queue.Empty:
-                return None
-            finally:
-                self.release(msg.request_id)
+            return await_reply(self, msg, timeout)
         return self.clients[0].command(msg, timeout)  # (adapter commands: one copy; LoRA runs with one)
 
     def abort(self, request_id: str) -> None:
