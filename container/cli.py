@@ -123,7 +123,9 @@ def cmd_config(args) -> int:
         config = cfgmod.build(resolved, num_gpus=resolved["option.tensor_parallel_degree"], **build)
     where = " (architecture not known before download)" if is_remote else ""
     print(f"engine: {config.scheduler.engine_kind}{where}; tensor_parallel_degree: "
-          f"{config.parallel.tensor_parallel_degree}; mpi: {config.parallel.use_mpi}; dtype: {config.model.dtype}")
+          f"{config.parallel.tensor_parallel_degree}; mpi: {config.parallel.use_mpi}; dtype: {config.model.dtype}"
+          + (f"; copies: {config.parallel.copies}" if config.parallel.copies > 1 else "")
+          + (f"; custom handler: {config.model.entry_point}" if config.model.entry_point else ""))
     return 0
 
 

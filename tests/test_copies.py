@@ -106,3 +106,4 @@ def test_a_killed_copy_loses_only_its_requests_and_comes_back(tiny_model, start_
     assert metric(metrics(), "lmi_engine_steps_total", "1") > steps  # the restarted copy serves
     assert "model copy 1 died" in server.log()
     wait_for(lambda: "model copy 1 is back" in server.log(), 10, "the launcher's note that copy 1 is back")
+    assert server.stop() == 0, server.log()  # both copies drained and stopped
