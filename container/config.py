@@ -366,12 +366,19 @@ def model_copies(cfg: ResolvedConfig, use_mpi: bool, tp: int, num_gpus: int, num
 def placement(cfg: ResolvedConfig, use_mpi: bool, tp: int, num_gpus: int, num_cpus: int) -> ParallelConfig:
     """The copies and what each holds: GPU copy i the devices i*TP ... i*TP+TP-1 (as CUDA_VISIBLE_DEVICES
     numbers them, DJL's rule), CPU copy i an equal share of this process's cores."""
+    hosts = dict(hostfile=cfg["option.mpi_hostfile"], rsh_agent=cfg["option.mpi_rsh_agent"],
+                 network=cfg["option.mpi_network"])
+    if hosts["hostfile"] and not use_mpi:
+        raise ConfigError("option.mpi_hostfile needs engine=MPI with option.tensor_parallel_degree > 1 (the ranks "
+                          "it spreads over the hosts)")
     copies = model_copies(cfg, use_mpi, tp, num_gpus, num_cpus)
     if copies > 1 and cfg["option.enable_lora"]:
         raise ConfigError(f"maxWorkers={copies} with option.enable_lora=true: not supported together yet (adapters "
                           "are registered with one engine); serve LoRA adapters with one copy")
+    if copies > 1 and hosts["hostfile"]:
+        raise ConfigError(f"maxWorkers={copies} with option.mpi_hostfile: one copy spans the hosts")
     if copies == 1:
-        return ParallelConfig(use_mpi=use_mpi, tensor_parallel_degree=tp)
+        return ParallelConfig(use_mpi=use_mpi, tensor_parallel_degree=tp, **hosts)
     if num_gpus:
         visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()] or \
             [str(i) for i in range(num_gpus)]

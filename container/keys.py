@@ -244,6 +244,14 @@ KEYS: tuple[Key, ...] = (
         "not a local path, else the model dir's name)"),
     Key("option.chat_template", text, None,
         "chat template: a file path or an inline Jinja template (default: the tokenizer's)"),
+    Key("option.mpi_hostfile", text, None,
+        "multi-node: an Open MPI hostfile; the ranks of engine=MPI are spread over its hosts (rank 0, which the "
+        "HTTP front end talks to, on the first: list this host first) (docs/multinode.md)"),
+    Key("option.mpi_rsh_agent", text, None,
+        "multi-node: the command mpirun starts remote daemons with (Open MPI's plm_rsh_agent; default ssh)"),
+    Key("option.mpi_network", text, None,
+        "multi-node: the network (a CIDR such as 10.0.0.0/24, or an interface) the ranks talk over, TCP "
+        "(Open MPI's btl_tcp_if_include and oob_tcp_if_include)"),
     Key("maxWorkers", integer(1), None,
         "model copies on this host, each an engine group of option.tensor_parallel_degree devices (on CPU: an equal "
         "share of the cores) behind the one front end, which sends each request to the copy with the fewest "

@@ -42,9 +42,19 @@ DEAD_LINGER_S = 1.5  # after the engine died: /ping says 503 and in-flight reque
 
 def engine_command(config: LmiConfig, run_dir: str) -> list[str]:
     cmd = [sys.executable, "-m", "engines.serve", "--run-dir", run_dir]
-    if config.parallel.use_mpi and config.parallel.tensor_parallel_degree > 1:  # one rank needs no mpirun
-        n = str(config.parallel.tensor_parallel_degree)
-        cmd = ["mpirun", "--allow-run-as-root", "--bind-to", "none", "-np", n, *cmd]
+    par = config.parallel
+    if par.use_mpi and par.tensor_parallel_degree > 1:  # one rank needs no mpirun
+        n = str(par.tensor_parallel_degree)
+        hosts: list[str] = []
+        if par.hostfile:  # multi-node: the ranks over the hostfile's hosts, over TCP (docs/multinode.md)
+            hosts = ["--hostfile", par.hostfile, "--mca", "orte_keep_fqdn_hostnames", "t",
+                     *[a for var in ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "HOME") for a in ("-x", var)]]
+        if par.rsh_agent:
+            hosts += ["--mca", "plm_rsh_agent", par.rsh_agent]
+        if par.network:
+            hosts += ["--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", par.network,
+                      "--mca", "oob_tcp_if_include", par.network]
+        cmd = ["mpirun", "--allow-run-as-root", "--bind-to", "none", *hosts, "-np", n, *cmd]
     return cmd
 
 
@@ -122,6 +132,14 @@ class Launcher:
                         c.clear()
                         c.proc = self._spawn(f"engine copy {c.index} again", c.command(), c.environment(self.env))
                     continue
+                if c.proc.poll() is None and c.ready and read_failure(c.dir, "engine") is not None:
+                    # the engine said it is dead and its group lingers: mpirun can hang aborting a job
+                    # with a rank it cannot reach (tests/test_multinode.py saw it): end the group
+                    c.failed_at = c.failed_at or time.monotonic()
+                    if time.monotonic() - c.failed_at > DEAD_LINGER_S:
+                        log.error("the engine reported a failure and its process group did not exit: killing it")
+                        _signal_group(c.proc, signal.SIGKILL)
+                        c.proc.wait()
                 if c.proc.poll() is not None:
                     c.ready = c.ready or os.path.exists(ready_path(c.dir))
                     reason = read_failure(c.dir, "engine") or f"the engine exited with code {c.proc.returncode}"
@@ -210,6 +228,7 @@ class EngineCopy:
         self.started = time.monotonic()
         self.restarts = 0
         self.restart_at: float | None = None
+        self.failed_at: float | None = None  # when its failure file appeared while its process lived on
 
     def command(self) -> list[str]:
         self.started = time.monotonic()
@@ -233,7 +252,7 @@ class EngineCopy:
                 os.remove(path)
             except FileNotFoundError:
                 pass
-        self.restart_at = None
+        self.restart_at = self.failed_at = None
 
 
 def _stop(proc: subprocess.Popen, sig: int, grace: float) -> None:

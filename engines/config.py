@@ -83,6 +83,10 @@ class ParallelConfig(msgspec.Struct, frozen=True):
     copies: int = 1
     copy_devices: list[list[str]] = []
     copy_cores: list[list[int]] = []
+    # multi-node (docs/multinode.md): mpirun's hostfile, remote launch agent, and the ranks' TCP network
+    hostfile: str | None = None
+    rsh_agent: str | None = None
+    network: str | None = None
 
 
 class ServerConfig(msgspec.Struct, frozen=True):

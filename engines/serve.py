@@ -134,6 +134,8 @@ class EngineProcess:
         self.endpoint.start()
         try:
             engine = build_engine(self.config, self.endpoint.publish, self.comm, self.run_dir)
+            if hasattr(engine, "on_stuck"):  # a stuck step: say so before exiting (mpirun may linger)
+                engine.on_stuck = self.die
             TIMELINE.record("engine_imports", process_age(), "interpreter, torch, transformers, engine modules")
             engine.load()
         except Exception as exc:

@@ -14,6 +14,7 @@ import os
 import queue
 import threading
 import time
+from typing import Callable
 
 import msgspec
 import torch
@@ -32,6 +33,7 @@ class EngineLoop(abc.ABC):
     def __init__(self, config: LmiConfig, publish, comm):
         self.config = config
         self.comm = comm
+        self.on_stuck: Callable[[str], None] = lambda reason: None  # the engine process says it is dead
         self._publish = publish
         self.inbox: "queue.SimpleQueue[Add | Abort]" = queue.SimpleQueue()
         self.num_steps = 0
@@ -146,7 +148,10 @@ class EngineLoop(abc.ABC):
         while not stop.wait(0.5):
             started = self._step_started
             if started is not None and time.monotonic() - started > limit:
-                log.error("step %d exceeded option.predict_timeout=%.0f s: exiting", self.num_steps, limit)
+                reason = (f"step {self.num_steps} exceeded option.predict_timeout={limit:.0f} s (a rank, a device "
+                          "or the network between the ranks is stuck)")
+                log.error("%s: exiting", reason)
+                self.on_stuck(reason)  # the HTTP workers answer 503 / 424 from now on, whatever mpirun does
                 logging.shutdown()
                 os._exit(4)
 
