@@ -198,10 +198,11 @@ class ArrayReader:
         return []
 
 
-class _MarkerReader:
-    """Content until a marker; text that may be the start of the marker is held back."""
+class HermesReader:
+    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (Hermes, Qwen 2.5 / 3); text around
+    them is content, and text that may be the start of a block is held back."""
 
-    marker = ""
+    marker, end = "<tool_call>", "</tool_call>"
 
     def __init__(self):
         self.pending = ""  # content held back (it may start the marker)
@@ -221,12 +222,6 @@ class _MarkerReader:
         self.pending = text[len(text) - keep:]
         out = text[:len(text) - keep]
         return ([("content", out)] if out else []), None
-
-
-class HermesReader(_MarkerReader):
-    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (Hermes, Qwen 2.5 / 3)."""
-
-    marker, end = "<tool_call>", "</tool_call>"
 
     def feed(self, text: str) -> list[tuple]:
         events = []

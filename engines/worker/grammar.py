@@ -130,9 +130,6 @@ class Grammars:
         self._matchers.pop(request_id, None)
         self._ready.pop(request_id, None)
 
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self._matchers
-
     def masks(self, request_ids: list[str]) -> torch.Tensor:
         """The masks of the requests' next tokens [n, W] (CPU): those computed during the step, the
         others now."""
@@ -191,11 +188,6 @@ class Grammars:
         """Compute these requests' next masks on the thread (after settle_draft)."""
         self._settle()
         self._start(request_ids)
-
-    def close(self) -> None:
-        self._settle()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
 
     # -- the masks' thread ---------------------------------------------------------------------------------
 
