@@ -120,10 +120,15 @@ def cmd_config(args) -> int:
     except cfgmod.CapacityError as exc:
         # valid for a bigger machine: say what this one lacks, then show the resolution there
         print(f"warning: on this machine: {exc}", file=sys.stderr)
-        config = cfgmod.build(resolved, num_gpus=resolved["option.tensor_parallel_degree"], **build)
+        if resolved["option.pipeline_parallel_degree"] > 1:  # CPU ranks: as on a host with enough cores
+            config = cfgmod.build(resolved, num_gpus=0, **{**build, "num_cpus": 1 << 16})
+        else:
+            config = cfgmod.build(resolved, num_gpus=resolved["option.tensor_parallel_degree"], **build)
     where = " (architecture not known before download)" if is_remote else ""
     print(f"engine: {config.scheduler.engine_kind}{where}; tensor_parallel_degree: "
           f"{config.parallel.tensor_parallel_degree}; mpi: {config.parallel.use_mpi}; dtype: {config.model.dtype}"
+          + (f"; pipeline_parallel_degree: {config.parallel.pipeline_parallel_degree}"
+             if config.parallel.pipeline_parallel_degree > 1 else "")
           + (f"; copies: {config.parallel.copies}" if config.parallel.copies > 1 else "")
           + (f"; custom handler: {config.model.entry_point}" if config.model.entry_point else ""))
     return 0

@@ -306,11 +306,14 @@ def build(cfg: ResolvedConfig, *, local_dir: str, spec: ModelSpec | None,
     if fallback and kind != ENGINE_DYNAMIC:
         log.info("model code: %s; engine: %s", model_code(cfg, spec), kind)
     tp = resolve_tensor_parallel(cfg, num_gpus, num_cpus)
+    pp = cfg["option.pipeline_parallel_degree"]
     use_mpi = cfg["engine"] == "MPI"
-    if tp > 1 and kind != ENGINE_DYNAMIC and not cfg.is_set("engine"):
-        log.info("engine=MPI chosen: option.tensor_parallel_degree=%d with a rolling-batch engine and engine "
-                 "unset (as DJL does for lmi-dist)", tp)
+    if tp * pp > 1 and kind != ENGINE_DYNAMIC and not cfg.is_set("engine"):
+        log.info("engine=MPI chosen: option.tensor_parallel_degree=%d, pipeline_parallel_degree=%d with a "
+                 "rolling-batch engine and engine unset (as DJL does for lmi-dist)", tp, pp)
         use_mpi = True
+    if pp > 1:
+        check_pipeline(cfg, pp, tp, kind, fallback, spec, num_gpus, num_cpus)
     if use_mpi and kind == ENGINE_DYNAMIC:
         raise ConfigError("engine=MPI with dynamic batching: MPI runs the rolling-batch engines; "
                           "use engine=Python for batch_size>1 / option.rolling_batch=disable")
@@ -343,8 +346,35 @@ def build(cfg: ResolvedConfig, *, local_dir: str, spec: ModelSpec | None,
         cpu_compile=cfg["option.cpu_compile"], compile_cache_dir=cfg["option.compile_cache_dir"],
         attention_backend=cfg["option.attention_backend"], **speed_settings(cfg, kind))
     return LmiConfig(model=model, scheduler=scheduler,
-                     parallel=placement(cfg, use_mpi, tp, num_gpus, num_cpus),
+                     parallel=placement(cfg, use_mpi, tp, num_gpus, num_cpus, pp),
                      server=server_config(cfg, local_dir, port))
+
+
+def check_pipeline(cfg: ResolvedConfig, pp: int, tp: int, kind: str, fallback: str | None, spec: ModelSpec | None,
+                   num_gpus: int, num_cpus: int) -> None:
+    """option.pipeline_parallel_degree > 1: what it runs with (docs/multinode.md), else a ConfigError naming why."""
+    what = f"option.pipeline_parallel_degree={pp}"
+    if kind != ENGINE_PAGED:
+        raise ConfigError(f"{what} runs in the paged engine (option.rolling_batch=auto or lmi-dist/vllm), not {kind}")
+    if cfg["engine"] != "MPI" and cfg.is_set("engine"):
+        raise ConfigError(f"{what} with engine=Python: the stages are MPI ranks; set engine=MPI")
+    if fallback:
+        raise ConfigError(f"{what} with {spec.architecture if spec else 'this model'}: the stages run our model code, "
+                          f"and this model runs on the transformers fallback ({fallback})")
+    if spec is not None and pp > spec.num_layers:
+        raise ConfigError(f"{what} exceeds the model's {spec.num_layers} decoder layers")
+    if num_gpus:
+        raise ConfigError(f"{what} on GPUs: not built yet (the stages run on CPU ranks over MPI); use "
+                          "option.tensor_parallel_degree on GPUs")
+    if cfg["option.enable_lora"]:
+        raise ConfigError(f"{what} with option.enable_lora=true: LoRA adapters and pipeline stages are not supported "
+                          "together yet")
+    if cfg["option.speculative_method"] == "draft" or cfg["option.speculative_model"]:
+        raise ConfigError(f"{what} with a draft model (option.speculative_model): not supported together yet "
+                          "(prompt lookup, option.speculative_method=ngram, is)")
+    if not cfg["option.mpi_hostfile"] and tp * pp > num_cpus:
+        raise CapacityError(f"tensor_parallel_degree={tp} x {what} = {tp * pp} ranks exceed the {num_cpus} CPU "
+                            "cores of this machine; lower them or spread the ranks over hosts (option.mpi_hostfile)")
 
 
 def model_copies(cfg: ResolvedConfig, use_mpi: bool, tp: int, num_gpus: int, num_cpus: int) -> int:
@@ -363,15 +393,16 @@ def model_copies(cfg: ResolvedConfig, use_mpi: bool, tp: int, num_gpus: int, num
     return asked
 
 
-def placement(cfg: ResolvedConfig, use_mpi: bool, tp: int, num_gpus: int, num_cpus: int) -> ParallelConfig:
+def placement(cfg: ResolvedConfig, use_mpi: bool, tp: int, num_gpus: int, num_cpus: int,
+              pp: int = 1) -> ParallelConfig:
     """The copies and what each holds: GPU copy i the devices i*TP ... i*TP+TP-1 (as CUDA_VISIBLE_DEVICES
     numbers them, DJL's rule), CPU copy i an equal share of this process's cores."""
     hosts = dict(hostfile=cfg["option.mpi_hostfile"], rsh_agent=cfg["option.mpi_rsh_agent"],
-                 network=cfg["option.mpi_network"])
+                 network=cfg["option.mpi_network"], pipeline_parallel_degree=pp)
     if hosts["hostfile"] and not use_mpi:
         raise ConfigError("option.mpi_hostfile needs engine=MPI with option.tensor_parallel_degree > 1 (the ranks "
                           "it spreads over the hosts)")
-    copies = model_copies(cfg, use_mpi, tp, num_gpus, num_cpus)
+    copies = model_copies(cfg, use_mpi, tp * pp, num_gpus, num_cpus)
     if copies > 1 and cfg["option.enable_lora"]:
         raise ConfigError(f"maxWorkers={copies} with option.enable_lora=true: not supported together yet (adapters "
                           "are registered with one engine); serve LoRA adapters with one copy")

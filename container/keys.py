@@ -177,6 +177,9 @@ KEYS: tuple[Key, ...] = (
     Key("option.dtype", choice("fp32", "fp16", "bf16", "auto"), None,
         "weight dtype; default fp16 on GPU, bf16 on CPU; auto = the checkpoint's torch_dtype"),
     Key("option.tensor_parallel_degree", tensor_parallel, 1, "ranks per model copy; max = all GPUs"),
+    Key("option.pipeline_parallel_degree", integer(1), 1,
+        "pipeline stages: the decoder layers split over this many groups of tensor_parallel_degree ranks "
+        "(engine=MPI, the paged engine, our model code; across hosts with option.mpi_hostfile) (docs/multinode.md)"),
     Key("option.rolling_batch", choice("auto", "scheduler", "lmi-dist", "vllm", "disable"), "auto",
         "auto, scheduler (padded KV), lmi-dist or vllm (paged KV) or disable (dynamic batching)"),
     Key("option.paged_attention", boolean, True, "with rolling_batch=auto: paged (true) or padded (false) KV cache"),
@@ -303,7 +306,7 @@ KEY_ALIASES = {"max_dynamic_batch_size": "batch_size",
 FOREIGN_KEYS = frozenset({
     "option.max_logprobs", "option.enable_chunked_prefill", "option.cpu_offload_gb_per_gpu", "option.cpu_offload_gb",
     "option.lora_extra_vocab_size",
-    "option.draft_model_tp_size", "option.record_acceptance_rate", "option.pipeline_parallel_degree",
+    "option.draft_model_tp_size", "option.record_acceptance_rate",
     "option.decoding_strategy", "option.max_sparsity", "option.max_splits", "option.waiting_steps",
     "option.swap_space", "option.block_size", "option.seed", "option.tokenizer", "option.tokenizer_mode",
     "option.max_input_len", "option.max_output_len", "option.async_mode", "option.use_passive_workers",

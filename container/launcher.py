@@ -43,8 +43,8 @@ DEAD_LINGER_S = 1.5  # after the engine died: /ping says 503 and in-flight reque
 def engine_command(config: LmiConfig, run_dir: str) -> list[str]:
     cmd = [sys.executable, "-m", "engines.serve", "--run-dir", run_dir]
     par = config.parallel
-    if par.use_mpi and par.tensor_parallel_degree > 1:  # one rank needs no mpirun
-        n = str(par.tensor_parallel_degree)
+    if par.use_mpi and par.ranks > 1:  # one rank needs no mpirun
+        n = str(par.ranks)
         hosts: list[str] = []
         if par.hostfile:  # multi-node: the ranks over the hostfile's hosts, over TCP (docs/multinode.md)
             hosts = ["--hostfile", par.hostfile, "--mca", "orte_keep_fqdn_hostnames", "t",
@@ -242,7 +242,7 @@ class EngineCopy:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(par.copy_devices[self.index])
         if par.copy_cores:
             env[CORES_ENV] = ",".join(str(c) for c in par.copy_cores[self.index])
-            env["OMP_NUM_THREADS"] = str(max(1, len(par.copy_cores[self.index]) // par.tensor_parallel_degree))
+            env["OMP_NUM_THREADS"] = str(max(1, len(par.copy_cores[self.index]) // par.ranks))
         return env
 
     def clear(self) -> None:

@@ -84,9 +84,10 @@ def check_port(host: str, port: int) -> str | None:
 
 
 def check_mpirun(config: LmiConfig, path: str | None) -> str | None:
-    if config.parallel.use_mpi and config.parallel.tensor_parallel_degree > 1 and not shutil.which("mpirun", path=path):
-        return (f"mpirun was not found on PATH, and engine=MPI with tensor_parallel_degree="
-                f"{config.parallel.tensor_parallel_degree} needs it: install Open MPI (openmpi-bin)")
+    if config.parallel.use_mpi and config.parallel.ranks > 1 and not shutil.which("mpirun", path=path):
+        return (f"mpirun was not found on PATH, and engine=MPI with {config.parallel.ranks} ranks "
+                f"(tensor_parallel_degree={config.parallel.tensor_parallel_degree} x pipeline_parallel_degree="
+                f"{config.parallel.pipeline_parallel_degree}) needs it: install Open MPI (openmpi-bin)")
     return None
 
 

@@ -78,6 +78,7 @@ class SchedulerConfig(msgspec.Struct, frozen=True):
 class ParallelConfig(msgspec.Struct, frozen=True):
     use_mpi: bool = False
     tensor_parallel_degree: int = 1
+    pipeline_parallel_degree: int = 1  # stages of tensor_parallel_degree ranks each (docs/multinode.md)
     # model copies on this host (maxWorkers; docs/copies.md): each an engine group of its own, pinned to its
     # GPUs (copy_devices: CUDA ids) or, on CPU, its cores (copy_cores); empty: one copy, not pinned
     copies: int = 1
@@ -87,6 +88,11 @@ class ParallelConfig(msgspec.Struct, frozen=True):
     hostfile: str | None = None
     rsh_agent: str | None = None
     network: str | None = None
+
+    @property
+    def ranks(self) -> int:
+        """The ranks of one model copy: its stages' tensor-parallel groups."""
+        return self.tensor_parallel_degree * self.pipeline_parallel_degree
 
 
 class ServerConfig(msgspec.Struct, frozen=True):

@@ -10,6 +10,13 @@
 `rank_info` is the one place that maps OpenMPI's environment to world size / rank / local rank.
 Rank 0 sends each step's plan with `send_step`; ranks > 0 wait for it in `receive_step`, polling
 politely so an idle rank does not spin a core.
+
+Pipeline parallelism (option.pipeline_parallel_degree, docs/multinode.md): the world's ranks are
+`stages` groups of `tp` consecutive ranks (stage s: ranks s*tp .. s*tp+tp-1), each stage holding a
+contiguous run of the decoder layers. The engine keeps the world communicator (plans, barriers,
+rank 0's broadcasts); the model gets `comm.tp`, its stage's communicator for the collectives inside
+the layers, whose `pipeline` (`Pipeline`; None without pipeline parallelism) passes the hidden states
+to the next stage and the last stage's logits back to rank 0, which samples.
 """
 
 from __future__ import annotations
@@ -36,9 +43,21 @@ def rank_info(env: Mapping[str, str]) -> RankInfo:
                     int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")))
 
 
+def stage_layers(num_layers: int, stages: int, stage: int) -> range:
+    """The decoder layers stage `stage` of `stages` holds: an even split, the first stages taking one
+    more where it does not divide (the last stage also runs the LM head)."""
+    if num_layers < stages:
+        raise ValueError(f"option.pipeline_parallel_degree={stages} exceeds the model's {num_layers} layers")
+    base, extra = divmod(num_layers, stages)
+    start = stage * base + min(stage, extra)
+    return range(start, start + base + (stage < extra))
+
+
 class Communicator(Protocol):
     rank: int
     world_size: int
+    tp: "Communicator"  # the collectives inside the model: this rank's stage (itself without pipeline parallelism)
+    pipeline: "Pipeline | None"  # on `tp`: the hand-over between stages (None: one stage)
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum over ranks; returns the summed tensor (same dtype)."""
@@ -65,6 +84,11 @@ class Communicator(Protocol):
 class SingleProcess:
     rank = 0
     world_size = 1
+    pipeline = None
+
+    @property
+    def tp(self) -> "SingleProcess":
+        return self
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
@@ -93,13 +117,21 @@ class MpiCommunicator:
 
     POLL_S = 0.0005
 
-    def __init__(self):
+    def __init__(self, tp: int | None = None, comm=None):
+        """The world's communicator (`comm` None), with its ranks in stages of `tp` (None: one stage)."""
         from mpi4py import MPI
 
         self._mpi = MPI
-        self.comm = MPI.COMM_WORLD
+        self.comm = comm if comm is not None else MPI.COMM_WORLD
         self.rank = self.comm.Get_rank()
         self.world_size = self.comm.Get_size()
+        self.pipeline: Pipeline | None = None
+        self.tp = self
+        if comm is None and tp is not None and tp < self.world_size:
+            if self.world_size % tp:
+                raise ValueError(f"{self.world_size} ranks do not form stages of tensor_parallel_degree={tp}")
+            self.tp = MpiCommunicator(comm=self.comm.Split(self.rank // tp, self.rank))
+            self.tp.pipeline = Pipeline(self, tp)
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         buf = tensor.detach().to(torch.float32).contiguous()
@@ -124,9 +156,25 @@ class MpiCommunicator:
         return buf.to(tensor.device)
 
     def barrier(self) -> None:
-        req = self.comm.Ibarrier()
+        self._wait(self.comm.Ibarrier())
+
+    def _wait(self, req) -> None:
         while not req.Test():
             time.sleep(self.POLL_S)
+
+    def send(self, tensor: torch.Tensor, dest: int, tag: int = 0) -> None:
+        """Point to point; bfloat16 travels as its 16-bit pattern (MPI has no bfloat16)."""
+        buf = tensor.detach().cpu().contiguous()
+        if buf.dtype == torch.bfloat16:
+            buf = buf.view(torch.int16)
+        self._wait(self.comm.Isend(buf.numpy(), dest=dest, tag=tag))
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, source: int,
+             tag: int = 0) -> torch.Tensor:
+        out = torch.empty(shape, dtype=dtype)
+        view = out.view(torch.int16) if dtype == torch.bfloat16 else out
+        self._wait(self.comm.Irecv(view.numpy(), source=source, tag=tag))
+        return out.to(device)
 
     def send_step(self, data: bytes) -> None:
         import numpy as np
@@ -150,6 +198,40 @@ class MpiCommunicator:
         return buf.tobytes()
 
 
+class Pipeline:
+    """The hand-over between pipeline stages, over the world's communicator: each rank sends its stage's
+    output (the hidden states and the residual stream, every TP rank holding all of them) to the rank
+    of the same TP index in the next stage; the last stage's TP rank 0 sends the logits to rank 0.
+    Receivers poll (an idle stage sleeps instead of spinning a core while the stages before it run)."""
+
+    def __init__(self, world: MpiCommunicator, tp: int):
+        self.world = world
+        self.tp_size = tp
+        self.count = world.world_size // tp  # stages
+        self.index = world.rank // tp  # this rank's stage
+        self.is_first, self.is_last = self.index == 0, self.index == self.count - 1
+        self.world_rank, self.world_size = world.rank, world.world_size
+
+    def layers(self, num_layers: int) -> range:
+        return stage_layers(num_layers, self.count, self.index)
+
+    def send_forward(self, *tensors: torch.Tensor) -> None:
+        """To the next stage (same shapes and dtype on both sides)."""
+        for i, t in enumerate(tensors):
+            self.world.send(t, self.world_rank + self.tp_size, tag=i)
+
+    def recv_forward(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                     count: int = 2) -> list[torch.Tensor]:
+        return [self.world.recv(shape, dtype, device, self.world_rank - self.tp_size, tag=i) for i in range(count)]
+
+    def send_logits(self, logits: torch.Tensor) -> None:
+        """The last stage's TP rank 0 → rank 0 (itself with one stage)."""
+        self.world.send(logits, 0, tag=0)
+
+    def recv_logits(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        return self.world.recv(shape, torch.float32, device, self.world_size - self.tp_size, tag=0)
+
+
 class NcclCommunicator:
     """torch.distributed over NCCL (one GPU per rank) for the collectives of a step; the plans go
     over MPI on the CPU (the ranks run under mpirun anyway), where an idle rank polls a
@@ -165,6 +247,7 @@ class NcclCommunicator:
                                 world_size=info.world_size, rank=info.rank)
         self.rank, self.world_size = info.rank, info.world_size
         self.device = torch.device("cuda", torch.cuda.current_device())
+        self.tp, self.pipeline = self, None
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         self._dist.all_reduce(tensor)
@@ -194,10 +277,14 @@ class NcclCommunicator:
         return self._plans.receive_step()
 
 
-def make_communicator(info: RankInfo) -> Communicator:
+def make_communicator(info: RankInfo, tp: int | None = None) -> Communicator:
+    """tp: the ranks of one pipeline stage (None or the world size: no pipeline parallelism)."""
     if info.world_size == 1:
         return SingleProcess()
     if torch.cuda.is_available():
+        if tp is not None and tp < info.world_size:
+            raise ValueError("pipeline parallelism runs on CPU ranks (MPI) only so far; on GPUs use "
+                             "tensor parallelism (docs/multinode.md)")
         torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
         return NcclCommunicator(info)
-    return MpiCommunicator()
+    return MpiCommunicator(tp)

@@ -140,7 +140,9 @@ def build_model(cls, spec, model_dir: str, comm, dtype: torch.dtype, device: tor
         log.info("option.load_cache_dir: not used for a pre-quantised (%s) checkpoint; loading the safetensors "
                  "files", quant.method)
     elif load_cache_dir:
-        cache = load_cache.cache_paths(load_cache_dir, model_dir, dtype, comm.rank, comm.world_size)
+        pipe = getattr(comm, "pipeline", None)  # one cache per rank of the world
+        cache = load_cache.cache_paths(load_cache_dir, model_dir, dtype, *((pipe.world_rank, pipe.world_size) if pipe
+                                                                           else (comm.rank, comm.world_size)))
         source = load_cache.source_fingerprint(files)
         try:
             nbytes = load_cache.load(model, *cache, source)
@@ -187,7 +189,9 @@ def _fill_from_checkpoint(model, files: list[str], rank: int, progress: bool, qu
             if id(p) not in packed:
                 p.data.fill_(float("nan"))  # anything the checkpoint does not fill shows up below
         for name, shape, reader in plain:
-            if not model.load_weight(name, shape, reader):
+            if not model.holds(name):  # another pipeline stage's layer
+                pass
+            elif not model.load_weight(name, shape, reader):
                 unused.append(name)
             bar.update(1)
         if leftovers:

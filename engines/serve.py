@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(max(1, len(cores) if cores else (os.cpu_count() or 1) // info.world_size))
-    comm = make_communicator(info) if info.world_size > 1 else SingleProcess()
+    comm = make_communicator(info, config.parallel.tensor_parallel_degree) if info.world_size > 1 else SingleProcess()
     if info.world_size > 1:
         # the default action, not a Python handler: a rank stuck in a collective with a dead peer
         # never returns to the interpreter. The HTTP side has drained before the launcher signals

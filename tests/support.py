@@ -190,15 +190,16 @@ def output_tokens(outputs: list) -> list[int]:
     return [t for o in outputs for t in o.token_ids]
 
 
-def run_tp2_job(tmp_path, job: dict, dirs: list[str]) -> dict:
-    """One `mpirun -np 2` of tests/tp_families.py over the model dirs with `job` (prompts, new_tokens,
-    options) → model dir → its greedy tokens per prompt."""
+def run_tp2_job(tmp_path, job: dict, dirs: list[str], ranks: int = 2) -> dict:
+    """One `mpirun -np 2` (or `ranks`) of tests/tp_families.py over the model dirs with `job` (prompts,
+    new_tokens, options) → model dir → its greedy tokens per prompt."""
     import json
 
     job_path, out = tmp_path / "job.json", tmp_path / "out.json"
     job_path.write_text(json.dumps(job))
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run(["mpirun", "--allow-run-as-root", "--bind-to", "none", "-np", "2", sys.executable, "-m",
+    proc = subprocess.run(["mpirun", "--allow-run-as-root", "--bind-to", "none", "--oversubscribe", "-np", str(ranks),
+                           sys.executable, "-m",
                            "tests.tp_families", str(out), str(job_path), *dirs], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

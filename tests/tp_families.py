@@ -2,7 +2,8 @@
 rank 0 writes each one's greedy tokens to a JSON file (tests/test_families.py compares them with
 transformers' `generate`). One mpirun for every family: each model's ranks load, serve the
 prompts and stop, then the next model loads. The job's optional "quantize" is option.quantize; its
-optional "lora" holds ModelConfig's LoRA fields, "register" adapters (name → directory) registered at run
+optional "lora" holds ModelConfig's LoRA fields, "tp" the ranks of a pipeline stage (fewer than the
+ranks: pipeline parallelism), "register" adapters (name → directory) registered at run
 time before the prompts, and "adapters" each prompt's adapter (null: the base).
 
     python -m tests.tp_families OUT.json PROMPTS.json DIR [DIR ...]
@@ -16,7 +17,7 @@ import sys
 
 
 def main(out_path: str, prompts_path: str, model_dirs: list[str]) -> None:
-    from engines.config import ENGINE_PAGED, LmiConfig, ModelConfig, SchedulerConfig
+    from engines.config import ENGINE_PAGED, LmiConfig, ModelConfig, ParallelConfig, SchedulerConfig
     from engines.dist import make_communicator, rank_info
     from engines.protocol import ADAPTER_REGISTER, AdapterCommand
     from engines.sampling_params import SamplingParams
@@ -25,15 +26,18 @@ def main(out_path: str, prompts_path: str, model_dirs: list[str]) -> None:
     from engines.worker.rolling_engine import RollingEngine
     from tests.support import drive_engine, output_tokens
 
-    comm = make_communicator(rank_info(os.environ))
     with open(prompts_path, encoding="utf-8") as f:
         job = json.load(f)
+    info = rank_info(os.environ)
+    tp = job.get("tp", info.world_size)  # fewer than the ranks: pipeline stages of `tp` ranks each
+    comm = make_communicator(info, tp)
     results = {}
     for model_dir in model_dirs:
         config = LmiConfig(model=ModelConfig(local_dir=model_dir, dtype="fp32", quantize=job.get("quantize"),
                                              **job.get("lora", {})),
                            scheduler=SchedulerConfig(engine_kind=job.get("engine", ENGINE_PAGED), kv_cache_memory="4MiB",
-                                                     max_num_seqs=4))
+                                                     max_num_seqs=4),
+                           parallel=ParallelConfig(use_mpi=True, tensor_parallel_degree=tp))
         if comm.rank:
             run_shard(config, comm)  # returns when rank 0 stops the ranks
             continue
@@ -48,6 +52,8 @@ def main(out_path: str, prompts_path: str, model_dirs: list[str]) -> None:
                                         for i, (p, a, g) in enumerate(zip(job["prompts"], adapters, grammars))])
         engine.stop_ranks()
         results[model_dir] = [output_tokens(outputs[f"r{i}"]) for i in range(len(job["prompts"]))]
+        if comm.tp.pipeline is not None:  # the layers rank 0 holds (the later stages hold the rest)
+            results["layers:" + model_dir] = list(engine.runner.model.held)
     if comm.rank == 0:
         with open(out_path, "w", encoding="utf-8") as f:
             json.dump(results, f)

@@ -141,8 +141,10 @@ class AttentionBackend(abc.ABC):
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
                  device: torch.device, layers: Sequence[LayerOptions] | None = None,
-                 kv_dtype: torch.dtype | None = None):
+                 kv_dtype: torch.dtype | None = None, held: range | None = None):
+        """held: the layers whose caches this rank keeps (its pipeline stage's; None: all)."""
         self.num_layers = num_layers
+        self.held = held if held is not None else range(num_layers)
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.block_size = block_size
@@ -166,8 +168,10 @@ class AttentionBackend(abc.ABC):
         padding tokens write to and pad sequences read."""
         shape = self.kv_cache_shape(num_blocks + 1)
         with torch.inference_mode(False):  # ordinary tensors: a compiled step may write views of them
-            self.keys = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(self.num_layers)]
-            self.values = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(self.num_layers)]
+            self.keys = [torch.zeros(shape if i in self.held else (0,), dtype=self.kv_dtype, device=self.device)
+                         for i in range(self.num_layers)]
+            self.values = [torch.zeros(shape if i in self.held else (0,), dtype=self.kv_dtype, device=self.device)
+                           for i in range(self.num_layers)]
         self.num_blocks = num_blocks
         self.scratch_block = num_blocks
 

@@ -121,7 +121,8 @@ class TorchPagedBackend(AttentionBackend):
             lens = torch.ones(rows, dtype=torch.long, device=self.device)
             for nb in width_buckets:
                 table = torch.full((rows, nb), self.scratch_block, dtype=torch.long, device=self.device)
-                decode_attention(q, self.keys[0], self.values[0], table, lens, self.layers[0])
+                first = self.held.start
+                decode_attention(q, self.keys[first], self.values[first], table, lens, self.layers[first])
 
 
 def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

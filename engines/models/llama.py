@@ -74,11 +74,11 @@ class LlamaForCausalLM(CausalLM):
 
     def __init__(self, spec: ModelSpec, comm: Communicator):
         super().__init__(spec, comm)
-        self.layers = nn.ModuleList(self.make_layer(i) for i in range(spec.num_layers))
+        self.layers = self.make_layers(self.make_layer)
         self.norm = RMSNorm(spec.hidden_size, spec.norm_eps, gemma=self.gemma_norms)
         self.make_head()
-        self.num_heads = self.layers[0].self_attn.num_heads  # this rank's
-        self.num_kv_heads = self.layers[0].self_attn.num_kv_heads
+        self.num_heads = self.first_layer.self_attn.num_heads  # this rank's
+        self.num_kv_heads = self.first_layer.self_attn.num_kv_heads
 
     def make_layer(self, idx: int) -> DecoderLayer:
         return DecoderLayer(idx, self.spec, self.rotary, self.comm)

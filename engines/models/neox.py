@@ -104,12 +104,11 @@ class GPTNeoXForCausalLM(CausalLM):
     def __init__(self, spec: ModelSpec, comm: Communicator):
         super().__init__(spec, comm)
         options = self.block_options(spec)
-        self.layers = nn.ModuleList(DecoderBlock(i, spec, self.rotary, comm, **options)
-                                    for i in range(spec.num_layers))
+        self.layers = self.make_layers(lambda i: DecoderBlock(i, spec, self.rotary, comm, **options))
         self.norm = LayerNorm(spec.hidden_size, spec.norm_eps)
         self.make_head()
-        self.num_heads = self.layers[0].attn.num_heads  # this rank's
-        self.num_kv_heads = self.layers[0].attn.num_kv_heads
+        self.num_heads = self.first_layer.attn.num_heads  # this rank's
+        self.num_kv_heads = self.first_layer.attn.num_kv_heads
 
     @staticmethod
     def block_options(spec: ModelSpec) -> dict:

@@ -44,6 +44,7 @@ class ModelRunner:
         self.lora = None  # option.enable_lora: engines.layers.lora.LoraAdapters
         self.owns_kv = False  # the model attends through our KV backends (ours, or HF's via hf_paged)
         self.layer_options: list[LayerOptions] | None = None  # how each layer attends (native models)
+        self.kv_layers = range(spec.num_layers)  # the layers whose K/V this rank keeps (its pipeline stage's)
 
     def load(self) -> None:
         started = time.perf_counter()
@@ -58,9 +59,17 @@ class ModelRunner:
             raise ValueError(f"a {quant.method} checkpoint loads on our model code only, and {spec.architecture} runs "
                              "on the transformers fallback; serve its unquantised checkpoint")
         if cls is not None:
-            self.model = build_model(cls, spec, cfg.local_dir, self.comm, self.dtype, self.device,
+            if self.comm.tp.pipeline is not None and (quant or cfg.enable_lora):
+                raise ValueError("pipeline parallelism with " + ("a pre-quantised checkpoint" if quant else
+                                 "option.enable_lora=true") + " is not supported yet (docs/multinode.md)")
+            self.model = build_model(cls, spec, cfg.local_dir, self.comm.tp, self.dtype, self.device,
                                      load_cache_dir=cfg.load_cache_dir)
-            self.num_layers = spec.num_layers
+            self.num_layers, self.kv_layers = spec.num_layers, self.model.held
+            if self.model.pipeline is not None:
+                pipe = self.model.pipeline
+                log.info("pipeline stage %d of %d: layers %d-%d of %d (rank %d, TP rank %d of %d)", pipe.index,
+                         pipe.count, self.kv_layers.start, self.kv_layers.stop - 1, spec.num_layers, pipe.world_rank,
+                         self.comm.tp.rank, self.comm.tp.world_size)
             self.num_kv_heads, self.head_dim = self.model.num_kv_heads, self.model.head_dim
             self.layer_options = self._layer_options()
             self.is_native = self.owns_kv = True
@@ -145,7 +154,8 @@ class ModelRunner:
         from transformers import AutoModelForCausalLM
 
         if self.comm.world_size > 1:
-            raise ValueError("the HF fallback path runs at tensor_parallel_degree=1 only")
+            raise ValueError("the HF fallback path runs at tensor_parallel_degree=1 (and pipeline_parallel_degree=1) "
+                             "only")
         extra = {}
         if on_our_kv:
             from engines.worker import hf_paged
@@ -166,8 +176,9 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """K and V of one token over all layers, on this rank."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.kv_dtype).element_size()
+        """K and V of one token over all layers, on this rank (its pipeline stage's layers)."""
+        return 2 * len(self.kv_layers) * self.num_kv_heads * self.head_dim * \
+            torch.empty((), dtype=self.kv_dtype).element_size()
 
     # -- forwards ---------------------------------------------------------------------------------
     @torch.inference_mode()

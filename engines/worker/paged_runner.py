@@ -95,7 +95,7 @@ class PagedRunner:
         r = self.runner
         cls = select_backend(attention_backend, r.device, r.kv_dtype, r.dtype)
         self.backend = cls(r.num_layers, r.num_kv_heads, r.head_dim, block_size, r.dtype, r.device, r.layer_options,
-                           r.kv_dtype)
+                           r.kv_dtype, r.kv_layers)
         self.backend.allocate(num_blocks)
         max_blocks = -(-r.max_model_len // block_size)
         self.buffers = StepBuffers(max(max_num_batched_tokens, max_num_seqs), max_num_seqs, max_blocks, block_size,
