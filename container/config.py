@@ -363,18 +363,16 @@ def check_pipeline(cfg: ResolvedConfig, pp: int, tp: int, kind: str, fallback: s
                           f"and this model runs on the transformers fallback ({fallback})")
     if spec is not None and pp > spec.num_layers:
         raise ConfigError(f"{what} exceeds the model's {spec.num_layers} decoder layers")
-    if num_gpus:
-        raise ConfigError(f"{what} on GPUs: not built yet (the stages run on CPU ranks over MPI); use "
-                          "option.tensor_parallel_degree on GPUs")
     if cfg["option.enable_lora"]:
         raise ConfigError(f"{what} with option.enable_lora=true: LoRA adapters and pipeline stages are not supported "
                           "together yet")
     if cfg["option.speculative_method"] == "draft" or cfg["option.speculative_model"]:
         raise ConfigError(f"{what} with a draft model (option.speculative_model): not supported together yet "
                           "(prompt lookup, option.speculative_method=ngram, is)")
-    if not cfg["option.mpi_hostfile"] and tp * pp > num_cpus:
-        raise CapacityError(f"tensor_parallel_degree={tp} x {what} = {tp * pp} ranks exceed the {num_cpus} CPU "
-                            "cores of this machine; lower them or spread the ranks over hosts (option.mpi_hostfile)")
+    limit, which = (num_gpus, "GPUs") if num_gpus else (num_cpus, "CPU cores")
+    if not cfg["option.mpi_hostfile"] and tp * pp > limit:
+        raise CapacityError(f"tensor_parallel_degree={tp} x {what} = {tp * pp} ranks exceed the {limit} {which} "
+                            "of this machine; lower them or spread the ranks over hosts (option.mpi_hostfile)")
 
 
 def model_copies(cfg: ResolvedConfig, use_mpi: bool, tp: int, num_gpus: int, num_cpus: int) -> int:

@@ -30,7 +30,7 @@ import time
 from container.preflight import first_problem
 from engines.config import LmiConfig
 from engines.startup import TIMELINE, startup_path
-from engines.protocol import (CORES_ENV, copy_dirs, draining_path, engine_socket_path, failure_path, read_failure,
+from engines.protocol import (CORES_ENV, DIST_PORT, copy_dirs, draining_path, engine_socket_path, failure_path, read_failure,
                               ready_path, write_atomically, write_failure)
 
 log = logging.getLogger("container.launcher")
@@ -48,7 +48,8 @@ def engine_command(config: LmiConfig, run_dir: str) -> list[str]:
         hosts: list[str] = []
         if par.hostfile:  # multi-node: the ranks over the hostfile's hosts, over TCP (docs/multinode.md)
             hosts = ["--hostfile", par.hostfile, "--mca", "orte_keep_fqdn_hostnames", "t",
-                     *[a for var in ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "HOME") for a in ("-x", var)]]
+                     *[a for var in ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "HOME", "MASTER_ADDR", "MASTER_PORT")
+                       for a in ("-x", var)]]
         if par.rsh_agent:
             hosts += ["--mca", "plm_rsh_agent", par.rsh_agent]
         if par.network:
@@ -56,6 +57,16 @@ def engine_command(config: LmiConfig, run_dir: str) -> list[str]:
                       "--mca", "oob_tcp_if_include", par.network]
         cmd = ["mpirun", "--allow-run-as-root", "--bind-to", "none", *hosts, "-np", n, *cmd]
     return cmd
+
+
+def first_host(hostfile: str) -> str:
+    """An Open MPI hostfile's first host (where rank 0 runs)."""
+    with open(hostfile, encoding="utf-8") as f:
+        for line in f:
+            words = line.split("#", 1)[0].split()
+            if words:
+                return words[0]
+    raise ValueError(f"option.mpi_hostfile={hostfile} lists no host")
 
 
 def gunicorn_command(config: LmiConfig, run_dir: str, host: str) -> list[str]:
@@ -235,9 +246,14 @@ class EngineCopy:
         return engine_command(self.config, self.dir)
 
     def environment(self, base: dict[str, str]) -> dict[str, str]:
-        """Its GPUs (CUDA_VISIBLE_DEVICES) or cores (LMI_CPU_CORES, engines/serve.py pins to them)."""
+        """Its GPUs (CUDA_VISIBLE_DEVICES) or cores (LMI_CPU_CORES, engines/serve.py pins to them), and
+        torch.distributed's rendezvous (GPU ranks): a port of its own (MASTER_PORT + copy index) on rank 0's
+        host (with a hostfile its first host, the leader)."""
         env = dict(base)
         par = self.config.parallel
+        env["MASTER_PORT"] = str(int(base.get("MASTER_PORT") or DIST_PORT) + self.index)
+        if par.hostfile:
+            env["MASTER_ADDR"] = first_host(par.hostfile)
         if par.copy_devices:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(par.copy_devices[self.index])
         if par.copy_cores:

@@ -4,8 +4,8 @@
 - `SingleProcess`: TP=1, every collective is the identity;
 - `MpiCommunicator`: mpi4py over MPI.COMM_WORLD, for ranks on CPUs (about 10 µs for a 4096-float
   all-reduce here, against about 1 ms with gloo);
-- `NcclCommunicator`: torch.distributed with NCCL, one GPU per rank, for the collectives; its plans
-  (and barriers) go over MPI on the CPU.
+- `TorchDistCommunicator`: torch.distributed with NCCL, one GPU per rank, for the collectives (gloo runs
+  the same code on CPU ranks in the tests); its plans (and barriers) go over MPI on the CPU.
 
 `rank_info` is the one place that maps OpenMPI's environment to world size / rank / local rank.
 Rank 0 sends each step's plan with `send_step`; ranks > 0 wait for it in `receive_step`, polling
@@ -232,40 +232,73 @@ class Pipeline:
         return self.world.recv(shape, torch.float32, device, self.world_size - self.tp_size, tag=0)
 
 
-class NcclCommunicator:
-    """torch.distributed over NCCL (one GPU per rank) for the collectives of a step; the plans go
-    over MPI on the CPU (the ranks run under mpirun anyway), where an idle rank polls a
-    non-blocking broadcast instead of sitting in an NCCL collective that times out after minutes
-    without requests."""
+class TorchDistCommunicator:
+    """torch.distributed for the collectives of a step and the hand-overs between pipeline stages: NCCL
+    on GPUs (one per rank); gloo runs the same code on CPU ranks (the tests). The plans and barriers go
+    over MPI on the CPU (the ranks run under mpirun anyway), where an idle rank polls a non-blocking
+    broadcast instead of sitting in an NCCL collective that times out after minutes without requests.
+    The rendezvous is MASTER_ADDR:MASTER_PORT (the launcher sets them: the hostfile's first host, one
+    port per copy), else 127.0.0.1:29511.
 
-    def __init__(self, info: RankInfo, master_addr: str = "127.0.0.1", master_port: int = 29511):
+    One instance per group: the world's (`start`), and with pipeline parallelism one per stage (`tp`),
+    whose collectives run in its torch process group; `root` is its rank 0's rank in the world."""
+
+    def __init__(self, dist, plans: MpiCommunicator, rank: int, world_size: int, group=None, root: int = 0):
+        self._dist, self._plans = dist, plans
+        self.rank, self.world_size = rank, world_size
+        self.group, self.root = group, root
+        self.tp: TorchDistCommunicator = self
+        self.pipeline: Pipeline | None = None
+
+    @classmethod
+    def start(cls, info: RankInfo, backend: str, tp: int | None = None) -> "TorchDistCommunicator":
+        import os
+
         import torch.distributed as dist
 
-        self._plans = MpiCommunicator()
-        self._dist = dist
-        dist.init_process_group("nccl", init_method=f"tcp://{master_addr}:{master_port}",
-                                world_size=info.world_size, rank=info.rank)
-        self.rank, self.world_size = info.rank, info.world_size
-        self.device = torch.device("cuda", torch.cuda.current_device())
-        self.tp, self.pipeline = self, None
+        from engines.protocol import DIST_PORT
+
+        addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", DIST_PORT))
+        dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", world_size=info.world_size,
+                                rank=info.rank)
+        world = cls(dist, MpiCommunicator(), info.rank, info.world_size)
+        if tp is not None and tp < info.world_size:
+            if info.world_size % tp:
+                raise ValueError(f"{info.world_size} ranks do not form stages of tensor_parallel_degree={tp}")
+            # every rank makes every stage's group, in the same order (torch.distributed's rule)
+            groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(info.world_size // tp)]
+            stage = info.rank // tp
+            world.tp = cls(dist, world._plans, info.rank % tp, tp, groups[stage], stage * tp)
+            world.tp.pipeline = Pipeline(world, tp)
+        return world
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        self._dist.all_reduce(tensor)
+        self._dist.all_reduce(tensor, group=self.group)
         return tensor
 
     def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        self._dist.all_gather(parts, tensor.contiguous())
+        self._dist.all_gather(parts, tensor.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
 
     def gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)] if self.rank == 0 else None
-        self._dist.gather(tensor.contiguous(), parts, dst=0)
+        self._dist.gather(tensor.contiguous(), parts, dst=self.root, group=self.group)
         return torch.cat(parts, dim=dim) if parts is not None else None
 
     def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
-        self._dist.broadcast(tensor, src=0)
+        self._dist.broadcast(tensor, src=self.root, group=self.group)
         return tensor
+
+    def send(self, tensor: torch.Tensor, dest: int, tag: int = 0) -> None:
+        """Point to point in the world (the stages' hand-overs; NCCL keeps each pair's order)."""
+        self._dist.send(tensor.contiguous(), dst=dest, tag=tag)
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, source: int,
+             tag: int = 0) -> torch.Tensor:
+        out = torch.empty(shape, dtype=dtype, device=device)
+        self._dist.recv(out, src=source, tag=tag)
+        return out
 
     def barrier(self) -> None:
         self._plans.barrier()
@@ -277,14 +310,15 @@ class NcclCommunicator:
         return self._plans.receive_step()
 
 
-def make_communicator(info: RankInfo, tp: int | None = None) -> Communicator:
-    """tp: the ranks of one pipeline stage (None or the world size: no pipeline parallelism)."""
+def make_communicator(info: RankInfo, tp: int | None = None, backend: str | None = None) -> Communicator:
+    """tp: the ranks of one pipeline stage (None or the world size: no pipeline parallelism). backend:
+    "nccl" (the default with CUDA), "mpi" (without), or "gloo" (torch.distributed on CPU ranks: the
+    GPU path's code, run by the tests)."""
     if info.world_size == 1:
         return SingleProcess()
-    if torch.cuda.is_available():
-        if tp is not None and tp < info.world_size:
-            raise ValueError("pipeline parallelism runs on CPU ranks (MPI) only so far; on GPUs use "
-                             "tensor parallelism (docs/multinode.md)")
+    backend = backend or ("nccl" if torch.cuda.is_available() else "mpi")
+    if backend == "mpi":
+        return MpiCommunicator(tp)
+    if backend == "nccl":
         torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
-        return NcclCommunicator(info)
-    return MpiCommunicator(tp)
+    return TorchDistCommunicator.start(info, backend, tp)

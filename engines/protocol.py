@@ -154,6 +154,9 @@ def decode_from_engine(data: bytes) -> FromEngine:
 
 
 CORES_ENV = "LMI_CPU_CORES"  # a model copy's cores on CPU, set by the launcher (engines/serve.py pins to them)
+# torch.distributed's rendezvous port on rank 0's host (GPU ranks): MASTER_PORT, else this; the launcher
+# gives copy i this + i
+DIST_PORT = 29511
 
 
 def copy_dirs(run_dir: str, copies: int) -> list[str]:

@@ -197,7 +197,8 @@ def run_tp2_job(tmp_path, job: dict, dirs: list[str], ranks: int = 2) -> dict:
 
     job_path, out = tmp_path / "job.json", tmp_path / "out.json"
     job_path.write_text(json.dumps(job))
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "MASTER_PORT": str(free_port())}  # torch.distributed's rendezvous (job "backend": "gloo")
     proc = subprocess.run(["mpirun", "--allow-run-as-root", "--bind-to", "none", "--oversubscribe", "-np", str(ranks),
                            sys.executable, "-m",
                            "tests.tp_families", str(out), str(job_path), *dirs], cwd=ROOT, env=env,

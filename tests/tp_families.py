@@ -3,7 +3,8 @@ rank 0 writes each one's greedy tokens to a JSON file (tests/test_families.py co
 transformers' `generate`). One mpirun for every family: each model's ranks load, serve the
 prompts and stop, then the next model loads. The job's optional "quantize" is option.quantize; its
 optional "lora" holds ModelConfig's LoRA fields, "tp" the ranks of a pipeline stage (fewer than the
-ranks: pipeline parallelism), "register" adapters (name → directory) registered at run
+ranks: pipeline parallelism), "backend" the communicator's (make_communicator; "gloo" runs the GPU
+path's torch.distributed code on CPU), "register" adapters (name → directory) registered at run
 time before the prompts, and "adapters" each prompt's adapter (null: the base).
 
     python -m tests.tp_families OUT.json PROMPTS.json DIR [DIR ...]
@@ -30,7 +31,7 @@ def main(out_path: str, prompts_path: str, model_dirs: list[str]) -> None:
         job = json.load(f)
     info = rank_info(os.environ)
     tp = job.get("tp", info.world_size)  # fewer than the ranks: pipeline stages of `tp` ranks each
-    comm = make_communicator(info, tp)
+    comm = make_communicator(info, tp, job.get("backend"))  # "gloo": torch.distributed, the GPU path's code
     results = {}
     for model_dir in model_dirs:
         config = LmiConfig(model=ModelConfig(local_dir=model_dir, dtype="fp32", quantize=job.get("quantize"),
