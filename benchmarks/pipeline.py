@@ -9,11 +9,15 @@ Configurations (engine=MPI, the paged engine, bf16):
   on a bridge: what crossing hosts costs by itself;
 - TP=2 x PP=2, four hosts: four ranks, one per namespace, the layers in two stages of a TP pair each.
 The namespaces share this machine's cores: four ranks get what two got, so this measures the cost of
-the stages (hand-overs, the stages taking turns), not the capacity more hosts would add.
+the stages (hand-overs, the stages taking turns), not the capacity more hosts would add. Open MPI cannot
+know that the hosts share two cores (the hostfile gives each a slot), so a rank waiting in a collective
+would spin on a core another rank needs: every configuration runs with `mpi_yield_when_idle=1` (a
+waiting rank yields its core, as Open MPI does by itself on an oversubscribed host); `--spin` leaves
+Open MPI's default.
 
 Load: `--clients` closed-loop clients sending `--requests` requests of the 32x128 workload (32 prompt
 tokens, 128 new, ignore_eos), streamed: generated tok/s over the run, latency p50 / p90, TTFT p90 and
-time per output token p50. Needs root (network namespaces).
+time per output token p50; a table, the JSON and a PNG beside it. Needs root (network namespaces).
 """
 
 from __future__ import annotations
@@ -37,6 +41,33 @@ BASE = ("engine=MPI\noption.rolling_batch=lmi-dist\noption.max_rolling_batch_siz
 KEYS = ("throughput", "latency_p50", "latency_p90", "ttft_p90", "tpot_p50")
 
 
+def plot(table: list[dict], path: str) -> None:
+    """Throughput and latency per configuration, side by side; skipped with a warning without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib not installed: no plot", file=sys.stderr)
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [row["config"] for row in table]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    left.bar(range(len(names)), [row["throughput"] for row in table])
+    left.set_ylabel("generated tok/s")
+    width = 0.4
+    right.bar([i - width / 2 for i in range(len(names))], [row["latency_p50"] for row in table], width, label="p50")
+    right.bar([i + width / 2 for i in range(len(names))], [row["latency_p90"] for row in table], width, label="p90")
+    right.set_ylabel("request latency, s")
+    right.legend()
+    for ax in (left, right):
+        ax.set_xticks(range(len(names)), names, fontsize=8)
+    fig.suptitle("TP x PP across network namespaces, 32x128 workload (medians)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
 def configs(hosts: Hosts, tmp: Path) -> dict[str, str]:
     two = tmp / "hostfile-2"
     two.write_text("".join(f"{a} slots=1\n" for a in hosts.addrs[:2]))
@@ -53,12 +84,16 @@ def main(argv=None) -> int:
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--requests", type=int, default=24)
     p.add_argument("--out", default="benchmarks/results/pipeline.json")
+    p.add_argument("--spin", action="store_true", help="Open MPI's default: waiting ranks spin (no yield)")
     args = p.parse_args(argv)
     why = unavailable()
     if why:
         print(f"cannot run: {why}", file=sys.stderr)
         return 2
     bodies = build_requests("32x128", args.model_dir, args.requests, seed=0)
+    env = dict(os.environ)
+    if not args.spin:
+        env["OMPI_MCA_mpi_yield_when_idle"] = "1"  # mpirun passes it to every rank
     tmp = Path(tempfile.mkdtemp(prefix="bench-pipeline-"))
     hosts = Hosts(tmp, 4)
     try:
@@ -67,7 +102,7 @@ def main(argv=None) -> int:
         for r in range(args.rounds):
             for name, props in setups.items():
                 server = BenchServer(name.split(",")[0].replace(" ", "").replace("=", ""), args.model_dir,
-                                     properties=props, streams=True)
+                                     properties=props, streams=True, env=env)
                 try:
                     server.wait_ready()
                     run_load(server, bodies[:2], 2, None, seed=r)  # warm-up
@@ -85,7 +120,7 @@ def main(argv=None) -> int:
         hosts.remove()
     table = []
     print(f"\n{args.model_dir}, bf16, {args.requests} requests 32 in / 128 out, {args.clients} clients, streamed, "
-          f"medians of {args.rounds} rounds")
+          f"waiting ranks {'spin' if args.spin else 'yield'}, medians of {args.rounds} rounds")
     print(f"  {'config':<24} {'tok/s':>8} {'vs TP=2':>8} {'lat p50 s':>10} {'lat p90 s':>10} {'ttft p90 s':>11} "
           f"{'tpot p50 ms':>12}")
     base = statistics.median(x["throughput"] for x in runs["TP=2, one host"])
@@ -100,6 +135,7 @@ def main(argv=None) -> int:
     with open(args.out, "w") as f:
         json.dump({"args": vars(args), "baseline_tok_s": base, "table": table, "runs": runs}, f, indent=1)
     print(f"wrote {args.out}")
+    plot(table, os.path.splitext(args.out)[0] + ".png")
     return 0
 
 

@@ -49,10 +49,17 @@ class Hosts:
             _ip("netns", "exec", name, "ip", "link", "set", "lo", "up")
         self.hostfile = tmp / "hostfile"
         self.hostfile.write_text("".join(f"{a} slots=1\n" for a in self.addrs))
+        # each host its own temporary directory, as real hosts have: the namespaces share this machine's
+        # /tmp and hostname, where Open MPI's daemons of one job (and of a job just ended) would share
+        # session directories and race to make and remove them
+        self.tmpdirs = [tmp / f"host{i}-tmp" for i in range(count)]
+        for d in self.tmpdirs:
+            d.mkdir()
         self.agent = tmp / "netns-rsh"
-        cases = "".join(f"  {a}) ns={n} ;;\n" for a, n in zip(self.addrs, self.names))
+        cases = "".join(f"  {a}) ns={n}; dir={d} ;;\n" for a, n, d in zip(self.addrs, self.names, self.tmpdirs))
         self.agent.write_text(f'#!/bin/sh\nhost="$1"; shift\ncase "$host" in\n{cases}  *) echo "unknown host $host" '
-                              '>&2; exit 1 ;;\nesac\nexec ip netns exec "$ns" sh -c "$*"\n')
+                              '>&2; exit 1 ;;\nesac\nexec ip netns exec "$ns" env TMPDIR="$dir" '
+                              'OMPI_MCA_orte_tmpdir_base="$dir" sh -c "$*"\n')
         self.agent.chmod(0o755)
 
     def properties(self) -> str:

@@ -45,6 +45,17 @@ def test_pipeline_stages_give_hf_greedy_tokens(stage_models, tmp_path, tp, ranks
         assert got[model_dir] == hf_greedy(model_dir), arch
 
 
+@pytest.mark.parametrize("scheduler", [{"speculative_method": "ngram", "enable_prefix_caching": True},
+                                       {"num_scheduler_steps": 4}], ids=["ngram-prefix-caching", "multi-step"])
+def test_pipeline_stages_with_speed_features_give_hf_greedy_tokens(stage_models, tmp_path, scheduler):
+    """PP=2 with n-gram speculation (several logits rows per request go stage to stage and back) and prefix
+    caching (each stage's cache holds its layers' blocks), and with multi-step decode: HF's tokens."""
+    model_dir = stage_models["llama"]
+    got = run_tp2_job(tmp_path, {"prompts": PROMPTS + PROMPTS[2:], "new_tokens": NEW_TOKENS, "tp": 1,
+                                 "scheduler": scheduler}, [model_dir])
+    assert got[model_dir] == hf_greedy(model_dir) + hf_greedy(model_dir)[2:]
+
+
 def test_the_launcher_starts_every_stage_and_points_torch_distributed_at_the_leader(tmp_path):
     """mpirun gets tp x pp ranks and passes MASTER_ADDR / MASTER_PORT to the other hosts; the rendezvous is
     the hostfile's first host (the leader, rank 0's), one port per copy."""

@@ -4,7 +4,8 @@ transformers' `generate`). One mpirun for every family: each model's ranks load,
 prompts and stop, then the next model loads. The job's optional "quantize" is option.quantize; its
 optional "lora" holds ModelConfig's LoRA fields, "tp" the ranks of a pipeline stage (fewer than the
 ranks: pipeline parallelism), "backend" the communicator's (make_communicator; "gloo" runs the GPU
-path's torch.distributed code on CPU), "register" adapters (name → directory) registered at run
+path's torch.distributed code on CPU), "scheduler" more SchedulerConfig fields (speed features),
+"register" adapters (name → directory) registered at run
 time before the prompts, and "adapters" each prompt's adapter (null: the base).
 
     python -m tests.tp_families OUT.json PROMPTS.json DIR [DIR ...]
@@ -37,7 +38,7 @@ def main(out_path: str, prompts_path: str, model_dirs: list[str]) -> None:
         config = LmiConfig(model=ModelConfig(local_dir=model_dir, dtype="fp32", quantize=job.get("quantize"),
                                              **job.get("lora", {})),
                            scheduler=SchedulerConfig(engine_kind=job.get("engine", ENGINE_PAGED), kv_cache_memory="4MiB",
-                                                     max_num_seqs=4),
+                                                     max_num_seqs=4, **job.get("scheduler", {})),
                            parallel=ParallelConfig(use_mpi=True, tensor_parallel_degree=tp))
         if comm.rank:
             run_shard(config, comm)  # returns when rank 0 stops the ranks

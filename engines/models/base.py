@@ -6,7 +6,7 @@ the residual add fused in), then calls `make_head`, and may override `embed` and
 Under pipeline parallelism (`comm.pipeline`) a model holds only its stage's layers (`held`; the
 others are `MissingLayer`s, so that checkpoint names keep their indices): the first stage embeds,
 each stage hands its hidden states and residual to the next, and the last stage's logits go to
-rank 0. The embedding, final norm and LM head are built on every stage (loaded where used)."""
+rank 0. The embedding, final norm and LM head are built and loaded on every stage."""
 
 from __future__ import annotations
 
