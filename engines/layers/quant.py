@@ -16,6 +16,7 @@ the MoE experts' stacked [E, ...] weights stay in the model dtype.
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 
@@ -139,18 +140,37 @@ class Int4Weight(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
 
+@functools.cache
+def cpu_has_vnni() -> bool:
+    """Whether this x86 CPU sums u8 x s8 products in int32 (AVX-512 VNNI, AVX-VNNI). Without, the int8
+    GEMMs use vpmaddubsw, whose 16-bit pair sums saturate on 8-bit activations: PyTorch's answer is to
+    quantise activations to 7 bits (`reduce_range`)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = line.split()
+                    return "avx512_vnni" in flags or "avx_vnni" in flags
+    except OSError:
+        pass
+    return False  # not known: the range that cannot saturate
+
+
 class Int8DynamicWeight(nn.Module):
     """int8 weights and int8 activations (`option.quantize=int8_dynamic`, CPU): PyTorch's dynamic
     quantised linear on its x86 engine (fbgemm / oneDNN int8 GEMMs with VNNI). The weight rows are
     quantised as Int8Weight's (symmetric, one scale per output row) and prepacked once; each call
-    quantises its activations to uint8 with one scale and zero point for the whole [rows, in] input,
-    multiplies in int8 with int32 sums, and returns float32, cast back to the model dtype."""
+    quantises its activations to uint8 with one scale and zero point for the whole [rows, in] input
+    (0..255; 0..127 on a CPU without VNNI, `reduce_range`, where 8 bits would saturate the GEMM's
+    sums), multiplies in int8 with int32 sums, and returns float32, cast back to the model dtype."""
 
     method = "int8_dynamic"
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, reduce_range: bool | None = None):
+        """reduce_range: 7-bit activations (None: where the CPU lacks VNNI)."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
+        self.reduce_range = not cpu_has_vnni() if reduce_range is None else reduce_range
         q, scales = int8_quantize(weight, torch.float32)
         with warnings.catch_warnings():  # PyTorch deprecates quantized tensors; its int8 linear still takes them
             warnings.simplefilter("ignore", UserWarning)
@@ -160,7 +180,7 @@ class Int8DynamicWeight(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1]).float()
-        y = torch.ops.quantized.linear_dynamic(flat, self._packed, False)
+        y = torch.ops.quantized.linear_dynamic(flat, self._packed, self.reduce_range)
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
 
@@ -280,4 +300,7 @@ def quantize_linears(model: nn.Module, method: str) -> dict[str, int]:
         del weight
     if experts:
         log.info("option.quantize=%s: %d parameters of stacked MoE experts stay in the model dtype", method, experts)
+    if method == "int8_dynamic" and not cpu_has_vnni():
+        log.info("option.quantize=int8_dynamic: this CPU has no VNNI, so activations are quantised to 7 bits (8 would "
+                 "saturate its int8 GEMM's sums); option.quantize=int8 keeps them in the model dtype")
     return {"linears": len(linears), "skipped_params": experts}
