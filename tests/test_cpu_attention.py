@@ -59,7 +59,7 @@ def test_the_kernel_matches_its_torch_twin(dtype, dim, hkv, group, opts):
 def portable_build(tmp_path_factory):
     """The kernel built without AVX512-BF16 (the widening path every CPU runs), when this CPU has it
     and the default build takes the vdpbf16ps path instead."""
-    if "avx512_bf16" not in cpu_attention._cpu_flags():
+    if "avx512_bf16" not in cpu_attention.cpu_flags():
         pytest.skip("this CPU has no AVX512-BF16: the default build is the portable one")
     target = tmp_path_factory.mktemp("kernel") / "portable.so"
     cpu_attention.build(cpu_attention.compiler(), target, ("-mno-avx512bf16",))

@@ -465,7 +465,7 @@ def lora_kernels(tmp_path_factory):
 
     builds = {"native": cpu_lora.load()}
     assert builds["native"] is not None
-    if "avx512_bf16" in cpu_attention._cpu_flags():
+    if "avx512_bf16" in cpu_attention.cpu_flags():
         target = tmp_path_factory.mktemp("lora-kernel") / "portable.so"
         cpu_attention.build(cpu_attention.compiler(), target, ("-mno-avx512bf16",), source=cpu_lora.SOURCE)
         builds["portable"] = cpu_lora.bind(target)

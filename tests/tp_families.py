@@ -5,8 +5,8 @@ prompts and stop, then the next model loads. The job's optional "quantize" is op
 optional "lora" holds ModelConfig's LoRA fields, "tp" the ranks of a pipeline stage (fewer than the
 ranks: pipeline parallelism), "backend" the communicator's (make_communicator; "gloo" runs the GPU
 path's torch.distributed code on CPU), "scheduler" more SchedulerConfig fields (speed features),
-"register" adapters (name → directory) registered at run
-time before the prompts, and "adapters" each prompt's adapter (null: the base).
+"register" adapters (name → directory) registered at run time before the prompts, and "adapters"
+each prompt's adapter (null: the base).
 
     python -m tests.tp_families OUT.json PROMPTS.json DIR [DIR ...]
 """

@@ -41,7 +41,9 @@ def why() -> str:
     return _failure[0] if _failure else ""
 
 
-def _cpu_flags() -> str:
+@functools.cache
+def cpu_flags() -> str:
+    """/proc/cpuinfo's flags line ('' where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
             return next((line for line in f if line.startswith("flags")), "")
@@ -101,7 +103,7 @@ def cached_build(source: Path, what: str) -> Path:
         raise BuildError("no C compiler (cc or gcc) on PATH")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     texts = [source.read_text(), HEADER.read_text()]  # the kernel and what it includes
-    key = hashlib.sha256("\0".join([*texts, " ".join(FLAGS), version, _cpu_flags()]).encode()).hexdigest()
+    key = hashlib.sha256("\0".join([*texts, " ".join(FLAGS), version, cpu_flags()]).encode()).hexdigest()
     errors = []
     for directory in _cache_dirs():
         target = directory / f"{source.stem}-{key[:16]}.so"

@@ -16,13 +16,13 @@ the MoE experts' stacked [E, ...] weights stay in the model dtype.
 
 from __future__ import annotations
 
-import functools
 import logging
 import warnings
 
 import torch
 from torch import nn
 
+from engines.kernels.cpu_attention import cpu_flags
 from engines.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 log = logging.getLogger(__name__)
@@ -140,20 +140,13 @@ class Int4Weight(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
 
-@functools.cache
 def cpu_has_vnni() -> bool:
     """Whether this x86 CPU sums u8 x s8 products in int32 (AVX-512 VNNI, AVX-VNNI). Without, the int8
     GEMMs use vpmaddubsw, whose 16-bit pair sums saturate on 8-bit activations: PyTorch's answer is to
-    quantise activations to 7 bits (`reduce_range`)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = line.split()
-                    return "avx512_vnni" in flags or "avx_vnni" in flags
-    except OSError:
-        pass
-    return False  # not known: the range that cannot saturate
+    quantise activations to 7 bits (`reduce_range`). Not known (no /proc/cpuinfo): False, the range that
+    cannot saturate."""
+    flags = cpu_flags().split()
+    return "avx512_vnni" in flags or "avx_vnni" in flags
 
 
 class Int8DynamicWeight(nn.Module):
