@@ -21,6 +21,7 @@ from engines import ipc, protocol
 from engines.protocol import Abort, AdapterCommand, Add, HandlerCall, Health, HealthReply, Output
 
 log = logging.getLogger(__name__)
+FINAL_LINGER_MS = 1000  # how long the last outputs may take to leave after close (deliver_before_exit)
 
 
 class EngineEndpoint:
@@ -65,6 +66,13 @@ class EngineEndpoint:
         self._stop.set()
         self._thread.join(timeout=timeout)
 
+    def deliver_before_exit(self, timeout: float = 1.0) -> None:
+        """Before os._exit: ZeroMQ's IO thread sends what the closed ROUTER still holds (the failed
+        requests' errors), for up to `timeout`; an exit right after close() could drop them."""
+        done = threading.Thread(target=self._ctx.destroy, kwargs={"linger": int(timeout * 1000)}, daemon=True)
+        done.start()
+        done.join(timeout + 0.5)
+
     def _loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
@@ -79,7 +87,7 @@ class EngineEndpoint:
         # what the engine published last (errors before an exit) still goes out
         ipc.drain(self._pull, self._route_outputs)
         self._outbox.flush()
-        self._router.close()
+        self._router.close(linger=FINAL_LINGER_MS)  # sockets linger 0 (ipc.configure): these must still go
         self._pull.close()
 
     def _on_request(self, frames: list[bytes]) -> None:

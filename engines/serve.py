@@ -153,6 +153,7 @@ class EngineProcess:
             log.error("%s: exiting", exc)
             self.die(str(exc))
             self.endpoint.close()  # the failed requests' errors still go out
+            self.endpoint.deliver_before_exit()
             logging.shutdown()
             os._exit(5)
         finally:
