@@ -69,10 +69,10 @@ def cmd_serve(args) -> int:
                     for name, src in (resolved["option.adapters"] or {}).items()}
     started = time.perf_counter()
     spec = cfgmod.read_spec(local_dir, resolved["option.max_model_len"])
-    config = cfgmod.build(resolved, local_dir=local_dir, spec=spec,
-                          num_gpus=cfgmod.count_gpus(os.environ), num_cpus=os.cpu_count() or 1,
+    num_gpus = cfgmod.count_gpus(os.environ)
+    config = cfgmod.build(resolved, local_dir=local_dir, spec=spec, num_gpus=num_gpus, num_cpus=os.cpu_count() or 1,
                           port=cfgmod.resolve_port(args.port, os.environ), adapters=adapters,
-                          download_dir=download_dir)
+                          download_dir=download_dir, gpu_bf16=cfgmod.gpu_supports_bf16() if num_gpus else None)
     TIMELINE.record("configuration", configuring + time.perf_counter() - started, "serving.properties, environment")
     log.info("configuration:\n  %s", "\n  ".join(cfgmod.describe(resolved)))
     log.info("engine: %s, model: %s", config.scheduler.engine_kind, local_dir)
@@ -127,6 +127,7 @@ def cmd_config(args) -> int:
     where = " (architecture not known before download)" if is_remote else ""
     print(f"engine: {config.scheduler.engine_kind}{where}; tensor_parallel_degree: "
           f"{config.parallel.tensor_parallel_degree}; mpi: {config.parallel.use_mpi}; dtype: {config.model.dtype}"
+          + (f" ({config.model.dtype_why})" if config.model.dtype_why else "")
           + (f"; pipeline_parallel_degree: {config.parallel.pipeline_parallel_degree}"
              if config.parallel.pipeline_parallel_degree > 1 else "")
           + (f"; copies: {config.parallel.copies}" if config.parallel.copies > 1 else "")

@@ -12,6 +12,8 @@ import difflib
 import logging
 import os
 import re
+import shutil
+import subprocess
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -23,6 +25,7 @@ from engines.config import (
 from engines.core.modes import scheduling_mode
 from engines.models import registry
 from engines.models.spec import ModelSpec
+from engines.precision import DtypeChoice, choose_dtype, cpu_flags
 from engines.quant_checkpoint import check_quantize_option, read_checkpoint_quant
 
 log = logging.getLogger(__name__)
@@ -292,9 +295,11 @@ def resolve_tensor_parallel(cfg: ResolvedConfig, num_gpus: int, num_cpus: int) -
 
 def build(cfg: ResolvedConfig, *, local_dir: str, spec: ModelSpec | None,
           num_gpus: int, num_cpus: int, port: int, adapters: dict[str, str] | None = None,
-          download_dir: str = "") -> LmiConfig:
+          download_dir: str = "", cpu: frozenset[str] | None = None, gpu_bf16: bool | None = None) -> LmiConfig:
     """The typed configuration the engine and HTTP workers run with. adapters: option.adapters with
-    each location resolved to a local directory (by the caller, which fetches S3 and hub ones)."""
+    each location resolved to a local directory (by the caller, which fetches S3 and hub ones); cpu:
+    the CPU's feature flags (None: this one's), gpu_bf16: whether the GPUs compute bf16 (None: not
+    known), which decide the dtype when option.dtype is unset (engines/precision.py)."""
     handler = custom_handler(cfg, local_dir)
     if handler is not None:
         return build_handler(cfg, handler, local_dir=local_dir, num_gpus=num_gpus, num_cpus=num_cpus, port=port)
@@ -323,11 +328,12 @@ def build(cfg: ResolvedConfig, *, local_dir: str, spec: ModelSpec | None,
     if tp > 1 and kind != ENGINE_DYNAMIC and fallback:
         raise ConfigError(f"option.tensor_parallel_degree={tp} with {spec.architecture if spec else 'this model'}: "
                           f"the HF fallback path runs at tensor_parallel_degree=1 only ({fallback})")
-    dtype = quantized_dtype(cfg, num_gpus, fallback, spec)
+    dtype = quantized_dtype(cfg, num_gpus, fallback, spec, cpu_flags() if cpu is None else cpu, gpu_bf16)
+    log.info("dtype: %s", dtype)
     check_kv_cache_dtype(cfg, kind)
     check_lora(cfg, kind, fallback)
     model = ModelConfig(local_dir=local_dir, model_id=cfg["option.model_id"], revision=cfg["option.revision"],
-                        dtype=dtype, trust_remote_code=cfg["option.trust_remote_code"],
+                        dtype=dtype.dtype, dtype_why=dtype.why, trust_remote_code=cfg["option.trust_remote_code"],
                         model_impl=cfg["option.model_impl"],
                         max_model_len=cfg["option.max_model_len"], quantize=cfg["option.quantize"],
                         kv_cache_dtype=cfg["option.kv_cache_dtype"], load_cache_dir=cfg["option.load_cache_dir"],
@@ -482,11 +488,15 @@ def check_kv_cache_dtype(cfg: ResolvedConfig, kind: str) -> None:
                           "backend reads fp8 caches; set option.attention_backend=torch or auto")
 
 
-def quantized_dtype(cfg: ResolvedConfig, num_gpus: int, fallback: str | None, spec: ModelSpec | None) -> str:
-    """The model dtype, checked against option.quantize and the checkpoint's own quantization_config:
-    quantisation runs on our model code only, and int4 on CUDA in bf16 only (bf16 when option.dtype is
-    unset); a pre-quantised checkpoint takes option.quantize unset or its own method."""
+def quantized_dtype(cfg: ResolvedConfig, num_gpus: int, fallback: str | None, spec: ModelSpec | None,
+                    cpu: frozenset[str], gpu_bf16: bool | None) -> DtypeChoice:
+    """The model dtype and why, checked against option.quantize and the checkpoint's own
+    quantization_config: quantisation runs on our model code only, and int4 on CUDA in bf16 only (bf16
+    when option.dtype is unset); a pre-quantised checkpoint takes option.quantize unset or its own
+    method. Otherwise option.dtype, or when unset (or auto) engines/precision.py's policy."""
     method, dtype = cfg["option.quantize"], cfg["option.dtype"]
+    if dtype == "auto":
+        dtype = None  # the policy: the checkpoint's dtype on GPUs, what the CPU computes natively on CPUs
     try:
         quant = read_checkpoint_quant(spec.config) if spec else None  # unknown before download: checked at load
         check_quantize_option(method, quant)
@@ -495,8 +505,8 @@ def quantized_dtype(cfg: ResolvedConfig, num_gpus: int, fallback: str | None, sp
     if quant and fallback:
         raise ConfigError(f"a {quant.method} checkpoint loads on our model code only, and {spec.architecture} runs "
                           f"on the transformers fallback ({fallback}); serve its unquantised checkpoint")
-    if quant and quant.bits == 4 and num_gpus and not dtype:
-        return "bf16"  # CUDA's int4 kernel takes bf16 only (fp16 would dequantise the weights)
+    if quant and quant.bits == 4 and num_gpus and not dtype:  # fp16 would dequantise the weights
+        return DtypeChoice("bf16", f"CUDA's int4 kernel ({quant.method} checkpoint) takes bf16 only")
     if method and fallback:
         raise ConfigError(f"option.quantize={method} quantises the linear layers of our model code, and "
                           f"{spec.architecture if spec else 'this model'} runs on the transformers fallback "
@@ -509,7 +519,7 @@ def quantized_dtype(cfg: ResolvedConfig, num_gpus: int, fallback: str | None, sp
         if dtype in ("fp16", "fp32"):
             raise ConfigError(f"option.quantize=fp8 with option.dtype={dtype}: the fp8 GEMM writes bf16; set "
                               "option.dtype=bf16 or unset it")
-        return "bf16"
+        return DtypeChoice("bf16", "option.quantize=fp8: the fp8 GEMM writes bf16")
     if method == "int8_dynamic" and num_gpus:
         raise ConfigError("option.quantize=int8_dynamic runs on CPU (PyTorch's x86 int8 GEMM), and this host has "
                           f"{num_gpus} GPU(s); use option.quantize=int8 (weight-only) or an fp8 checkpoint")
@@ -517,8 +527,9 @@ def quantized_dtype(cfg: ResolvedConfig, num_gpus: int, fallback: str | None, sp
         if dtype in ("fp16", "fp32"):
             raise ConfigError(f"option.quantize=int4 with option.dtype={dtype} on GPUs: PyTorch's CUDA int4 kernel "
                               "takes bf16 activations only; set option.dtype=bf16 or option.quantize=int8")
-        return dtype or "bf16"
-    return dtype or ("fp16" if num_gpus else "bf16")
+        return DtypeChoice(dtype or "bf16", "option.quantize=int4 on GPUs: CUDA's int4 kernel takes bf16 only")
+    checkpoint = spec.checkpoint_dtype if spec else None
+    return choose_dtype(dtype, checkpoint, num_gpus=num_gpus, cpu=cpu, gpu_bf16=gpu_bf16)
 
 
 def speed_settings(cfg: ResolvedConfig, kind: str) -> dict:
@@ -581,6 +592,20 @@ def count_gpus(env: Mapping[str, str]) -> int:
     if "-1" in [d.strip() for d in listed[:1]]:
         return 0
     return min(present, len(listed))
+
+
+def gpu_supports_bf16() -> bool | None:
+    """Whether every visible NVIDIA GPU computes bf16 (compute capability 8.0+: A100, A10G, L4, H100, ...),
+    from nvidia-smi without importing torch; None when it cannot say."""
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return None
+    try:
+        out = subprocess.run([smi, "--query-gpu=compute_cap", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=10, check=True).stdout.split()
+        return bool(out) and all(float(cap) >= 8.0 for cap in out)
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
 
 
 def default_download_dir(env: Mapping[str, str]) -> str:

@@ -175,7 +175,8 @@ KEYS: tuple[Key, ...] = (
     Key("option.model_id", text, None, "local dir, s3://bucket/prefix/ or hub id (default: the model dir)"),
     Key("option.revision", text, None, "hub revision (branch, tag or commit)"),
     Key("option.dtype", choice("fp32", "fp16", "bf16", "auto"), None,
-        "weight dtype; default fp16 on GPU, bf16 on CPU; auto = the checkpoint's torch_dtype"),
+        "weight dtype; unset or auto: the checkpoint's dtype on GPUs (fp32 checkpoints in bf16; fp16 without "
+        "bf16), bf16 on CPUs that compute it natively (AVX512-BF16, AMX), else fp32"),
     Key("option.tensor_parallel_degree", tensor_parallel, 1, "ranks per model copy; max = all GPUs"),
     Key("option.pipeline_parallel_degree", integer(1), 1,
         "pipeline stages: the decoder layers split over this many groups of tensor_parallel_degree ranks "

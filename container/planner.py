@@ -16,6 +16,7 @@ from container.preflight import read_safetensors_header
 from engines.config import ENGINE_PAGED, memory_bytes
 from engines.memory_plan import Machine, ModelShape, Plan, Workload, available_ram, count, gib
 from engines.models.spec import ModelSpec
+from engines.precision import choose_dtype, cpu_flags
 from engines.quant_checkpoint import read_checkpoint_quant
 
 TORCH_DTYPE_NAMES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
@@ -122,9 +123,9 @@ def this_machine(num_gpus: int) -> Machine | None:
 def workload(resolved, shape: ModelShape, machine: Machine, engine_kind: str, *, prompt_tokens: int | None = None,
              output_tokens: int | None = None) -> Workload:
     """The settings that matter, from a container.config.ResolvedConfig."""
-    dtype = resolved["option.dtype"] or ("fp16" if machine.is_gpu else "bf16")
-    if dtype == "auto":
-        dtype = shape.checkpoint_dtype
+    # a GPU machine named by --instance / --gpus: its bf16 support is not known here (taken as yes)
+    dtype = choose_dtype(resolved["option.dtype"], shape.checkpoint_dtype, num_gpus=machine.num_devices,
+                         cpu=cpu_flags())
     tp = resolved["option.tensor_parallel_degree"]
     if tp == "max":
         tp = max(machine.num_devices, 1)
@@ -132,7 +133,7 @@ def workload(resolved, shape: ModelShape, machine: Machine, engine_kind: str, *,
     prompt = prompt_tokens if prompt_tokens is not None else shape.max_model_len - output
     spec = resolved["option.kv_cache_memory"]
     kv_bytes = memory_bytes(spec, machine.device_bytes) if spec and not machine.is_gpu else None
-    return Workload(dtype=dtype, tensor_parallel_degree=tp, max_num_seqs=resolved["option.max_rolling_batch_size"],
+    return Workload(dtype=dtype.dtype, dtype_why=dtype.why, tensor_parallel_degree=tp, max_num_seqs=resolved["option.max_rolling_batch_size"],
                     max_num_batched_tokens=resolved["option.max_rolling_batch_prefill_tokens"],
                     max_model_len=shape.max_model_len, prompt_tokens=prompt, output_tokens=output,
                     kv_block_size=resolved["option.kv_block_size"],
@@ -160,7 +161,8 @@ def table(p: Plan) -> list[str]:
                       f"{s.num_kv_heads} KV heads of {s.head_dim})"),
             ("parameters", f"{s.num_parameters:,}"),
             ("machine", p.machine.name),
-            ("dtype / tensor_parallel_degree", f"{w.dtype} / {w.tensor_parallel_degree}"),
+            ("dtype / tensor_parallel_degree", f"{w.dtype} / {w.tensor_parallel_degree}"
+                                               + (f" (dtype: {w.dtype_why})" if w.dtype_why else "")),
             ("option.quantize", f"{w.quantize}: {count(s.linear_parameters)} linear parameters"
              if w.quantize in ("int8", "int4") else f"pre-quantised {s.checkpoint_quant.method} checkpoint: "
              f"{count(s.linear_parameters)} linear parameters" if s.checkpoint_quant else "none"),

@@ -25,6 +25,7 @@ class ModelConfig(msgspec.Struct, frozen=True):
     model_id: str | None = None  # what the user asked for
     revision: str | None = None
     dtype: str = "fp32"  # fp32 | fp16 | bf16 | auto (= the checkpoint's torch_dtype)
+    dtype_why: str = ""  # why the launcher chose it (engines/precision.py), for the engine's log
     trust_remote_code: bool = False
     model_impl: str = "auto"  # auto | native | transformers (option.model_impl)
     max_model_len: int | None = None  # None: the model's max_position_embeddings

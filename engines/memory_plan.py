@@ -135,6 +135,7 @@ class Workload:
     quantize: str | None = None  # option.quantize: int8 | int4 (weight-only, the decoder's linears)
     kv_cache_dtype: str = "auto"  # option.kv_cache_dtype: auto (the model dtype) | fp8 | fp8_e4m3 | fp8_e5m2
     is_paged: bool = True
+    dtype_why: str = ""  # why this dtype (engines/precision.py), for the plan's table
 
     @property
     def sequence_tokens(self) -> int:

@@ -32,8 +32,10 @@ def case(id, props=None, env=None, *, values=None, engine=None, arch=LLAMA, erro
     return pytest.param(props or {}, env or {}, expect, id=id)
 
 
-CPU2 = dict(num_gpus=0, num_cpus=2)
-CPU4 = dict(num_gpus=0, num_cpus=4)
+BF16_CPU = frozenset({"avx2", "fma", "avx512f", "avx512_bf16"})  # the dtype policy's CPU: bf16 by default
+CPU2 = dict(num_gpus=0, num_cpus=2, cpu=BF16_CPU)
+CPU4 = dict(num_gpus=0, num_cpus=4, cpu=BF16_CPU)
+AVX2_CPU2 = dict(num_gpus=0, num_cpus=2, cpu=frozenset({"avx2", "fma"}))
 GPU1 = dict(num_gpus=1, num_cpus=16)
 GPU4 = dict(num_gpus=4, num_cpus=16)
 
@@ -208,7 +210,7 @@ CASES = [
          values={"option.quantize": ("int4", "file")}, fields={"model.quantize": "int4"}),
     case("hf-quantize-int8", {}, {"HF_MODEL_QUANTIZE": "int8"}, build=GPU1,
          values={"option.quantize": ("int8", "env (HF_MODEL_QUANTIZE)")},
-         fields={"model.quantize": "int8", "model.dtype": "fp16"}),
+         fields={"model.quantize": "int8", "model.dtype": "bf16"}),
     case("quantize-int4-gpu-bf16", {"option.quantize": "int4"}, {}, build=GPU1, fields={"model.dtype": "bf16"}),
     case("quantize-int4-gpu-fp16", {"option.quantize": "int4", "option.dtype": "fp16"}, {}, build=GPU1,
          error=["option.quantize=int4 with option.dtype=fp16", "option.dtype=bf16"]),
@@ -335,7 +337,14 @@ CASES = [
                  "parallel.use_mpi": False, "parallel.tensor_parallel_degree": 1, "server.port": 8123,
                  "scheduler.batch_size": 1, "scheduler.job_queue_size": 1000, "scheduler.max_num_seqs": 32,
                  "scheduler.max_num_batched_tokens": 1024, "scheduler.kv_cache_memory": None}),
-    case("build-gpu-dtype", {}, {}, build=GPU1, engine="paged", fields={"model.dtype": "fp16"}),
+    # the dtype policy (engines/precision.py; every case in tests/test_precision.py)
+    case("build-gpu-dtype", {}, {}, build=GPU1, engine="paged", fields={"model.dtype": "bf16"}),
+    case("build-gpu-no-bf16", {}, {}, build={**GPU1, "gpu_bf16": False}, fields={"model.dtype": "fp16"}),
+    case("build-avx2-cpu-dtype", {}, {}, build=AVX2_CPU2, fields={"model.dtype": "fp32"}),
+    case("build-avx2-cpu-auto", {"option.dtype": "auto"}, {}, build=AVX2_CPU2, fields={"model.dtype": "fp32"}),
+    case("build-avx2-cpu-explicit-bf16", {"option.dtype": "bf16"}, {}, build=AVX2_CPU2,
+         fields={"model.dtype": "bf16", "model.dtype_why": "option.dtype=bf16"}),
+    case("build-avx2-cpu-int8", {"option.quantize": "int8"}, {}, build=AVX2_CPU2, fields={"model.dtype": "fp32"}),
     case("build-explicit-dtype", {"option.dtype": "fp32"}, {}, build=GPU1, fields={"model.dtype": "fp32"}),
     case("build-scheduler-fields",
          {"max_batch_delay": "50", "job_queue_size": "20", "option.max_rolling_batch_size": "8",
@@ -594,8 +603,8 @@ def test_a_pre_quantised_checkpoint_is_checked_at_start(quant, props, num_gpus, 
                                  "quantization_config": QUANTISED[quant]}, {}, None)
     cfg = resolve(props, {})
     if expect in ("bf16", "fp16"):
-        built = build(cfg, local_dir="/models/m", spec=spec, port=8123, num_gpus=num_gpus, num_cpus=16)
+        built = build(cfg, local_dir="/models/m", spec=spec, port=8123, num_gpus=num_gpus, num_cpus=16, cpu=BF16_CPU)
         assert built.model.dtype == expect
         return
     with pytest.raises(ConfigError, match=expect.replace("(", r"\(").replace(")", r"\)")):
-        build(cfg, local_dir="/models/m", spec=spec, port=8123, num_gpus=num_gpus, num_cpus=16)
+        build(cfg, local_dir="/models/m", spec=spec, port=8123, num_gpus=num_gpus, num_cpus=16, cpu=BF16_CPU)

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from engines.precision import cpu_flags
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
@@ -39,16 +41,6 @@ _failure: list[str] = []  # why the kernel did not build, once load() has failed
 def why() -> str:
     """Why load() returned None ('' when it did not)."""
     return _failure[0] if _failure else ""
-
-
-@functools.cache
-def cpu_flags() -> str:
-    """/proc/cpuinfo's flags line ('' where there is none)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
 
 
 def _cache_dirs() -> list[Path]:
@@ -103,7 +95,7 @@ def cached_build(source: Path, what: str) -> Path:
         raise BuildError("no C compiler (cc or gcc) on PATH")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     texts = [source.read_text(), HEADER.read_text()]  # the kernel and what it includes
-    key = hashlib.sha256("\0".join([*texts, " ".join(FLAGS), version, cpu_flags()]).encode()).hexdigest()
+    key = hashlib.sha256("\0".join([*texts, " ".join(FLAGS), version, " ".join(sorted(cpu_flags()))]).encode()).hexdigest()
     errors = []
     for directory in _cache_dirs():
         target = directory / f"{source.stem}-{key[:16]}.so"

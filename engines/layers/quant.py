@@ -22,7 +22,7 @@ import warnings
 import torch
 from torch import nn
 
-from engines.kernels.cpu_attention import cpu_flags
+from engines.precision import cpu_flags
 from engines.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 log = logging.getLogger(__name__)
@@ -145,7 +145,7 @@ def cpu_has_vnni() -> bool:
     GEMMs use vpmaddubsw, whose 16-bit pair sums saturate on 8-bit activations: PyTorch's answer is to
     quantise activations to 7 bits (`reduce_range`). Not known (no /proc/cpuinfo): False, the range that
     cannot saturate."""
-    flags = cpu_flags().split()
+    flags = cpu_flags()
     return "avx512_vnni" in flags or "avx_vnni" in flags
 
 

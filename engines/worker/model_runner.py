@@ -98,7 +98,8 @@ class ModelRunner:
         why = "option.trust_remote_code=true" if cfg.trust_remote_code else \
             "option.model_impl=transformers" if cfg.model_impl == "transformers" else fallback_reason(spec)
         how = "native" if self.is_native else f"the transformers fallback{' on our KV cache' if self.owns_kv else ''}: {why}"
-        log.info("loaded %s (%s, %s) in %.1f s", spec.architecture, how, self.dtype, elapsed)
+        log.info("loaded %s (%s, %s%s) in %.1f s", spec.architecture, how, self.dtype,
+                 f": {cfg.dtype_why}" if cfg.dtype_why else "", elapsed)
         TIMELINE.record("weight_load", elapsed, throughput(self.weight_bytes, elapsed))
         self.comm.barrier()  # every rank holds its shard before anyone serves
 
