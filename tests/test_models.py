@@ -275,27 +275,3 @@ def test_model_code_does_not_use_transformers():
     for path in files:
         source = path.read_text(encoding="utf-8")
         assert not re.search(r"^\s*(from|import) transformers", source, re.M), path
-
-
-def test_bf16_linears_upcast_to_float32_where_the_cpu_multiplies_bf16_slowly():
-    """MatmulPolicy.upcast: the float32 product of the bf16 operands, rounded back to bf16 (what
-    oneDNN's bf16 GEMM computes too, up to summation order)."""
-    import torch
-
-    from engines.layers.linear import MatmulPolicy, choose_cpu_matmul, linear
-
-    torch.manual_seed(0)
-    x, w, b = (torch.randn(*s).to(torch.bfloat16) for s in ((8, 64), (32, 64), (32,)))
-    saved = MatmulPolicy.upcast
-    try:
-        MatmulPolicy.upcast = True
-        up = linear(x, w, b)
-        assert up.dtype == torch.bfloat16
-        assert torch.equal(up, torch.nn.functional.linear(x.float(), w.float(), b.float()).to(torch.bfloat16))
-        assert torch.equal(linear(x.float(), w.float()), torch.nn.functional.linear(x.float(), w.float()))  # fp32 as is
-        MatmulPolicy.upcast = False
-        torch.testing.assert_close(linear(x, w, b), up, atol=0.05, rtol=0.02)
-        chosen, native_ms, upcast_ms = choose_cpu_matmul(64, 128, rows=4)
-        assert chosen == MatmulPolicy.upcast == (upcast_ms < 0.9 * native_ms)
-    finally:
-        MatmulPolicy.upcast = saved

@@ -192,7 +192,9 @@ def test_paged_engine_serves_a_quantised_model(tiny_model, held, method, floor, 
 
     monkeypatch.setattr(Fp8Policy, "allow_cpu", True)  # fp8: its CUDA path on CPU tensors
     ids, reference = held
-    engine = local_engine(tiny_model, "paged", quantize=method)
+    # cpu_linear named: the weight-only kernels on fp32 activations (auto may pick bf16 ones where faster:
+    # tests/test_cpu_linear.py), so the floor is the method's own
+    engine = local_engine(tiny_model, "paged", quantize=method, cpu_linear="aten")
     assert engine.runner.model.layers[0].mlp.down_proj.weight.method == method
     agreement = (_top1(engine, ids) == reference).float().mean().item()
     print(f"{method}: teacher-forced top-1 agreement {agreement:.3f} over {len(ids)} positions")
@@ -237,8 +239,10 @@ def test_int8_at_tp2_is_each_shard_quantised(tiny_model, tmp_path) -> None:
     from tests.support import run_tp2_job
 
     prompts, new = [[1] + [(7 * i + 3) % 1000 + 3 for i in range(n)] for n in (5, 17, 40)], 12
-    got = run_tp2_job(tmp_path, {"prompts": prompts, "new_tokens": new, "quantize": "int8"}, [str(tiny_model)])
-    engine = local_engine(tiny_model, "paged")
+    # the kernels named (auto may pick bf16 activations for int8 weights: tests/test_cpu_linear.py)
+    got = run_tp2_job(tmp_path, {"prompts": prompts, "new_tokens": new, "quantize": "int8", "cpu_linear": "aten"},
+                      [str(tiny_model)])
+    engine = local_engine(tiny_model, "paged", cpu_linear="aten")
     for m in engine.runner.model.modules():
         if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
             weight = m.weight.data

@@ -1,7 +1,8 @@
 """Run under `mpirun -np 2`: the paged engine (or the job's "engine") at TP=2 on each model directory given, in turn, and
 rank 0 writes each one's greedy tokens to a JSON file (tests/test_families.py compares them with
 transformers' `generate`). One mpirun for every family: each model's ranks load, serve the
-prompts and stop, then the next model loads. The job's optional "quantize" is option.quantize; its
+prompts and stop, then the next model loads. The job's optional "quantize" is option.quantize ("cpu_linear":
+option.cpu_linear); its
 optional "lora" holds ModelConfig's LoRA fields, "tp" the ranks of a pipeline stage (fewer than the
 ranks: pipeline parallelism), "backend" the communicator's (make_communicator; "gloo" runs the GPU
 path's torch.distributed code on CPU), "scheduler" more SchedulerConfig fields (speed features),
@@ -36,6 +37,7 @@ def main(out_path: str, prompts_path: str, model_dirs: list[str]) -> None:
     results = {}
     for model_dir in model_dirs:
         config = LmiConfig(model=ModelConfig(local_dir=model_dir, dtype="fp32", quantize=job.get("quantize"),
+                                             cpu_linear=job.get("cpu_linear", "auto"),
                                              **job.get("lora", {})),
                            scheduler=SchedulerConfig(engine_kind=job.get("engine", ENGINE_PAGED), kv_cache_memory="4MiB",
                                                      max_num_seqs=4, **job.get("scheduler", {})),

@@ -19,49 +19,13 @@ from engines.dist import Communicator
 SliceReader = Callable[[tuple], torch.Tensor]  # reads checkpoint_tensor[slices]
 
 
-class MatmulPolicy:
-    """How the linear layers multiply. `upcast`: bf16 weights and activations are multiplied in
-    float32 (each weight converted as it is used, the result rounded back to bf16): on a CPU without
-    native bf16 dot products (no AVX512-BF16 or AMX) oneDNN's bf16 GEMM runs at a third of float32's
-    speed, and converting on the fly is cheaper than the difference. Weights stay bf16 in memory.
-    Chosen once per process by measuring both (`choose_cpu_matmul`)."""
-
-    upcast = False
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor | nn.Module, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T (+ b). `weight` is a tensor, or a packed low-bit weight (engines/layers/quant.py: a
-    module that multiplies x by itself) once option.quantize has replaced it."""
+    """x W^T (+ b). `weight` is a tensor, or a module that multiplies x by itself: a packed low-bit
+    weight (engines/layers/quant.py, option.quantize) or a CPU kernel's (engines/layers/cpu_linear.py)."""
     if not isinstance(weight, torch.Tensor):
         y = weight(x)
         return y if bias is None else y + bias
-    if MatmulPolicy.upcast and weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
-        return nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
     return nn.functional.linear(x, weight, bias)
-
-
-def choose_cpu_matmul(in_features: int, out_features: int, rows: int = 32) -> tuple[bool, float, float]:
-    """Time a bf16 [rows, in] × [in, out] product natively and upcast, alternately, 9 times each; set
-    MatmulPolicy.upcast when upcasting is at least 10% faster. The minimum of each is compared: other
-    work on the machine (another process starting) only ever adds time. Both depend on the shape
-    (a weight that fits the caches converts cheaply; a 1 B model's MLP weights did not gain here).
-    → (upcast, native ms, upcast ms)."""
-    import time
-
-    w = torch.randn(out_features, in_features).to(torch.bfloat16)
-    x = torch.randn(rows, in_features).to(torch.bfloat16)
-    ways = {"native": lambda: nn.functional.linear(x, w),
-            "upcast": lambda: nn.functional.linear(x.float(), w.float()).to(torch.bfloat16)}
-    best = {name: float("inf") for name in ways}
-    with torch.inference_mode():
-        for i in range(11):
-            for name, fn in ways.items():
-                started = time.perf_counter()
-                fn()
-                if i >= 2:
-                    best[name] = min(best[name], time.perf_counter() - started)
-    MatmulPolicy.upcast = best["upcast"] < 0.9 * best["native"]
-    return MatmulPolicy.upcast, 1e3 * best["native"], 1e3 * best["upcast"]
 
 
 def add_lora(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ the MoE experts' stacked [E, ...] weights stay in the model dtype.
 
 from __future__ import annotations
 
+import copy
 import logging
 import warnings
 
@@ -98,10 +99,15 @@ class Int8Weight(nn.Module):
         self.scales = nn.Parameter(scales.contiguous(), requires_grad=False)
         return self
 
+    def compute_in(self, dtype: torch.dtype) -> "Int8Weight":
+        """This weight multiplying activations cast to `dtype` (engines/layers/cpu_linear.py: PyTorch's
+        CPU kernel is fast on bf16 activations only); the same int8 rows, shared."""
+        return _computing_in(self, dtype, "scales")
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1]).contiguous()  # the kernel takes 2-D rows
+        flat = x.reshape(-1, x.shape[-1]).to(self.scales.dtype).contiguous()  # the kernel takes 2-D rows
         y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales)
-        return y.view(*x.shape[:-1], y.shape[-1])
+        return y.to(x.dtype).view(*x.shape[:-1], y.shape[-1])
 
 
 class Int4Weight(nn.Module):
@@ -134,10 +140,25 @@ class Int4Weight(nn.Module):
         self.scales_zeros = nn.Parameter(torch.stack([scales, zeros], dim=-1).contiguous(), requires_grad=False)
         return self
 
+    def compute_in(self, dtype: torch.dtype) -> "Int4Weight":
+        """As Int8Weight.compute_in: the same packed groups, scales and zero points in `dtype`."""
+        return _computing_in(self, dtype, "scales_zeros")
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1]).contiguous()
+        flat = x.reshape(-1, x.shape[-1]).to(self.scales_zeros.dtype).contiguous()
         y = self._mm(flat, self.packed, self.group_size, self.scales_zeros)
-        return y.view(*x.shape[:-1], self.out_features)
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+
+def _computing_in(weight: nn.Module, dtype: torch.dtype, scales: str) -> nn.Module:
+    """A copy of a weight-only module sharing its packed values, its `scales` parameter in `dtype`
+    (itself when they already are)."""
+    if getattr(weight, scales).dtype == dtype:
+        return weight
+    out = copy.copy(weight)
+    out._parameters = dict(weight._parameters)  # the copy's own table: the original keeps its scales
+    setattr(out, scales, nn.Parameter(getattr(weight, scales).data.to(dtype), requires_grad=False))
+    return out
 
 
 def cpu_has_vnni() -> bool:

@@ -23,7 +23,6 @@ from engines.config import ModelConfig
 from engines.core.block_manager import BlockManager
 from engines.core.request import Request
 from engines.dist import SingleProcess
-from engines.layers.linear import MatmulPolicy
 from engines.sampling_params import SamplingParams
 from engines.models.registry import fallback_reason
 from engines.models.spec import ModelSpec
@@ -43,9 +42,7 @@ class DraftProposer:
         self.num_tokens = num_tokens
         self.max_num_batched_tokens = max_num_batched_tokens
         self.runner = ModelRunner(model, ModelSpec.read(model.local_dir, max_model_len), SingleProcess())
-        upcast = MatmulPolicy.upcast
         self.runner.load()
-        MatmulPolicy.upcast = upcast  # one process-wide choice: for the model's shapes, not the draft's
         if not self.runner.is_native:
             raise ValueError(f"option.speculative_model {model.local_dir}: the draft model must run on our model "
                              f"code, and {fallback_reason(self.runner.spec)}")

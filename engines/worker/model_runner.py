@@ -17,7 +17,7 @@ from engines.attention.base import LayerOptions, kv_storage_dtype, triton_runs
 from engines.config import ModelConfig, lora_sources
 from engines.dist import Communicator, SingleProcess
 from engines.layers.fused import FusedOps
-from engines.layers.linear import choose_cpu_matmul
+from engines.layers.cpu_linear import choose_cpu_linear, describe as describe_cpu_linear
 from engines.layers.quant import METHODS as QUANTIZE_AT_LOAD, quantize_linears
 from engines.quant_checkpoint import check_quantize_option, read_checkpoint_quant
 from engines.loader import build_model, parameter_bytes, torch_dtype
@@ -77,8 +77,8 @@ class ModelRunner:
                 self._quantize(cfg.quantize)
             if cfg.enable_lora:
                 self._load_adapters()
-            if self.device.type == "cpu" and self.dtype == torch.bfloat16:
-                self._choose_cpu_matmul(spec)
+            if self.device.type == "cpu":
+                self._choose_cpu_linear()
             FusedOps.use_triton(self.device.type == "cuda" and triton_runs(self.device))
             log.info("fused ops (residual add + RMSNorm, rotary, SiLU x mul): %s",
                      "Triton kernels" if FusedOps.is_triton() else "PyTorch")
@@ -103,13 +103,11 @@ class ModelRunner:
         TIMELINE.record("weight_load", elapsed, throughput(self.weight_bytes, elapsed))
         self.comm.barrier()  # every rank holds its shard before anyone serves
 
-    def _choose_cpu_matmul(self, spec: ModelSpec) -> None:
-        """bf16 on CPU: oneDNN's bf16 GEMM, or float32 products of upcast weights, whichever this CPU
-        runs faster (measured on the model's MLP shape at 32 rows)."""
-        upcast, native, up = choose_cpu_matmul(spec.hidden_size, spec.intermediate_size)
-        log.info("bf16 matrix products on this CPU: %s (a [32, %d] x [%d, %d] product: %.2f ms native bf16, %.2f ms "
-                 "upcast to float32)", "upcast to float32" if upcast else "native bf16", spec.hidden_size,
-                 spec.hidden_size, spec.intermediate_size, native, up)
+    def _choose_cpu_linear(self) -> None:
+        """The fastest library kernel for this CPU, this dtype and these weights, measured on the model's
+        widest linear (engines/layers/cpu_linear.py), in place of every linear's weight."""
+        for kind, name, times, shape in choose_cpu_linear(self.model, self.dtype, self.config.cpu_linear):
+            log.info("%s", describe_cpu_linear(kind, name, times, shape))
 
     def _load_adapters(self) -> None:
         """option.enable_lora: the adapters served from the start registered (read and checked) on this
