@@ -497,3 +497,17 @@ def test_the_cpu_kernel_adds_what_the_batched_matmuls_compute(lora_kernels, dtyp
         cpu_lora.add_delta(x, y, a, bt, step, lib=lib)
         torch.testing.assert_close(y.float(), want, atol=atol, rtol=atol, msg=name)
         assert torch.equal(y[[1, 6, 11]], y0[[1, 6, 11]]), name  # base rows untouched
+
+
+def test_a_name_without_a_slot_fails_naming_the_rank() -> None:
+    """The runner's guard (the engine refuses unknown names before scheduling them): an AssertionError that
+    names the adapter and this rank, not an AttributeError on the way there."""
+    from types import SimpleNamespace
+
+    from engines.worker.paged_runner import PagedRunner
+
+    paged = PagedRunner.__new__(PagedRunner)
+    paged.runner = SimpleNamespace(lora=SimpleNamespace(slots={"a": 1}), comm=SimpleNamespace(rank=1))
+    assert (paged._lora_slot(None), paged._lora_slot("a")) == (0, 1)
+    with pytest.raises(AssertionError, match="LoRA adapter 'b' has no slot on rank 1"):
+        paged._lora_slot("b")

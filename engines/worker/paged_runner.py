@@ -280,7 +280,7 @@ class PagedRunner:
             return 0
         slot = self.runner.lora.slots.get(name) if self.runner.lora is not None else None
         if slot is None:  # the engine refuses unknown names before they are scheduled
-            raise AssertionError(f"LoRA adapter {name!r} has no slot on rank {self.comm.rank}")
+            raise AssertionError(f"LoRA adapter {name!r} has no slot on rank {self.runner.comm.rank}")
         return slot
 
     def _sample(self, prep: _Prepared, logits: torch.Tensor | None) -> PendingStep:
