@@ -25,7 +25,6 @@ weight's place (`engines.layers.linear.linear` calls it), as option.quantize's p
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -34,11 +33,6 @@ import torch
 from torch import nn
 
 from engines.layers.linear import ColumnParallelLinear, RowParallelLinear
-
-log = logging.getLogger(__name__)
-
-CHOICES = ("auto", "aten", "onednn", "upcast")  # option.cpu_linear; for quantised weights: native, bf16
-
 
 class OneDnnWeight(nn.Module):
     """A dense weight reordered once into oneDNN's blocked layout (an opaque tensor: no Parameter)."""
@@ -93,18 +87,24 @@ def candidates(weight: torch.Tensor | nn.Module, dtype: torch.dtype) -> list[Can
     return []  # int8_dynamic (its own oneDNN/fbgemm int8 GEMM), fp8 (CUDA): one kernel each
 
 
-def time_kernel(kernel, in_features: int, dtype: torch.dtype, rows: int, repeats: int = 7) -> float:
-    """The fastest of `repeats` products of `rows` rows, in seconds (the minimum: other work on the
-    machine only ever adds time)."""
+def time_kernel(kernel, in_features: int, dtype: torch.dtype, rows: int, repeats: int = 7,
+                budget_s: float = 0.2) -> float:
+    """The fastest of `repeats` products of `rows` rows after two warm-up calls, in seconds (the minimum:
+    other work on the machine only ever adds time); fewer once `budget_s` is spent (a kernel that slow
+    loses anyway, and a big model's start should not wait on it)."""
     x = torch.randn(rows, in_features).to(dtype)
     fn = kernel if isinstance(kernel, nn.Module) else (lambda v: nn.functional.linear(v, kernel))
-    best = float("inf")
+    best, spent = float("inf"), 0.0
     with torch.inference_mode():
         for i in range(repeats + 2):
             started = time.perf_counter()
             fn(x)
+            took = time.perf_counter() - started
+            spent += took
             if i >= 2:
-                best = min(best, time.perf_counter() - started)
+                best = min(best, took)
+                if spent > budget_s:
+                    break
     return best
 
 
