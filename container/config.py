@@ -599,17 +599,26 @@ def count_gpus(env: Mapping[str, str]) -> int:
     return min(present, len(listed))
 
 
-def gpu_supports_bf16() -> bool | None:
-    """Whether every visible NVIDIA GPU computes bf16 (compute capability 8.0+: A100, A10G, L4, H100, ...),
-    from nvidia-smi without importing torch; None when it cannot say."""
+def query_gpus(field: str) -> list[str] | None:
+    """One nvidia-smi field per GPU (`--query-gpu=FIELD`, no header or units), without importing torch;
+    None when nvidia-smi is missing or fails."""
     smi = shutil.which("nvidia-smi")
     if not smi:
         return None
     try:
-        out = subprocess.run([smi, "--query-gpu=compute_cap", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=10, check=True).stdout.split()
-        return bool(out) and all(float(cap) >= 8.0 for cap in out)
-    except (OSError, subprocess.SubprocessError, ValueError):
+        return subprocess.run([smi, f"--query-gpu={field}", "--format=csv,noheader,nounits"], capture_output=True,
+                              text=True, timeout=10, check=True).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def gpu_supports_bf16() -> bool | None:
+    """Whether every visible NVIDIA GPU computes bf16 (compute capability 8.0+: A100, A10G, L4, H100, ...);
+    None when it cannot say."""
+    caps = query_gpus("compute_cap")
+    try:
+        return bool(caps) and all(float(cap) >= 8.0 for cap in caps) if caps is not None else None
+    except ValueError:
         return None
 
 

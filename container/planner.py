@@ -8,10 +8,9 @@ import glob
 import json
 import os
 import re
-import shutil
-import subprocess
 from dataclasses import asdict
 
+from container.config import query_gpus
 from container.preflight import read_safetensors_header
 from engines.config import ENGINE_PAGED, memory_bytes
 from engines.memory_plan import Machine, ModelShape, Plan, Workload, available_ram, count, gib
@@ -108,13 +107,8 @@ def this_machine(num_gpus: int) -> Machine | None:
     """This machine: its GPUs (memory from nvidia-smi; None when it cannot say), else its RAM."""
     if not num_gpus:
         return Machine("this machine's RAM", 0, available_ram())
-    smi = shutil.which("nvidia-smi")
-    if not smi:
-        return None
-    try:
-        out = subprocess.run([smi, "--query-gpu=memory.total", "--format=csv,noheader,nounits"], capture_output=True,
-                             text=True, timeout=10, check=True).stdout.split()
-    except (OSError, subprocess.SubprocessError):
+    out = query_gpus("memory.total")
+    if out is None:
         return None
     mib = min(int(v) for v in out[:num_gpus]) if out else 0
     return Machine(f"this machine ({num_gpus} x {mib} MiB GPUs)", num_gpus, mib * 2**20) if mib else None
