@@ -46,7 +46,7 @@ def main(argv=None) -> int:
         for dtype in (torch.float32, torch.bfloat16):
             w = torch.randn(out, k).to(dtype)
             label = "fp32" if dtype == torch.float32 else "bf16"
-            kernels = {f"{label} {c.name}": c.wrap(w) for c in cpu_linear.candidates(w, dtype)}
+            kernels = {f"{label} {c.name}": c.wrap(w) if c.wrap else w for c in cpu_linear.candidates(w, dtype)}
             for cls in (Int8Weight, Int4Weight):
                 q = cls(w)
                 kernels |= {f"{label} {q.method} {c.name}": c.wrap(q) for c in cpu_linear.candidates(q, dtype)}

@@ -97,7 +97,7 @@ def linears_alone(model, batch: int, compiled: bool = False) -> float:
     weights = [(m.weight, m.weight.in_features if hasattr(m.weight, "method") else m.weight.shape[1])
                for m in model.modules() if is_linear(getattr(m, "weight", None))
                and type(m).__name__ != "VocabParallelEmbedding"]
-    dtype = model.lm_head.weight.dtype
+    dtype = model.embed_tokens.weight.dtype  # the linears may be kernels (engines/layers/cpu_linear.py)
     xs = {k: torch.randn(batch, k, dtype=dtype) for _, k in weights}
 
     def run_all():  # the outputs are returned: a compiled function would drop unused products

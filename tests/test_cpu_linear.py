@@ -99,6 +99,7 @@ def test_the_measured_fastest_kernel_replaces_every_linear(dtype, winner) -> Non
     assert set(measured_rows) == {1, 16}
     for m in (model.up, model.down, model.lm_head):
         assert getattr(m.weight, "method", "aten") == winner
+        assert isinstance(m.weight, nn.Parameter) == (winner == "aten")  # aten: the parameters stay
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.5, rtol=0.05)
     torch.testing.assert_close(model(x), want, **tol)
     assert "CPU linear kernel for dense weights: " + winner in cpu_linear.describe(kind, name, times, shape)

@@ -25,7 +25,9 @@ NEW_TOKENS = 10
 def _engine_tokens(model_dir, kind: str = "paged", **kw) -> tuple[list[list[int]], object]:
     from engines.sampling_params import SamplingParams
 
-    engine = local_engine(model_dir, kind, **kw)
+    # the kernels named: auto may run 4-bit weights on bf16 activations (tests/test_cpu_linear.py), and the
+    # references dequantise in the model dtype
+    engine = local_engine(model_dir, kind, **{"cpu_linear": "aten", **kw})
     outputs = drive_engine(engine, [(f"r{i}", p, SamplingParams(max_new_tokens=NEW_TOKENS))
                                     for i, p in enumerate(PROMPTS)])
     return [output_tokens(outputs[f"r{i}"]) for i in range(len(PROMPTS))], engine.runner.model
@@ -264,7 +266,7 @@ def test_gptq_and_compressed_tensors_at_tp2_give_the_reference_greedy_tokens(tin
     ct = tmp_path / "ct-w4a16"
     quant_ckpt.write_compressed_tensors(str(tiny_model), str(ct), "w4a16")
     dirs = [str(checkpoints["gptq-int4-sym"]), str(ct)]
-    got = run_tp2_job(tmp_path, {"prompts": PROMPTS, "new_tokens": NEW_TOKENS}, dirs)
+    got = run_tp2_job(tmp_path, {"prompts": PROMPTS, "new_tokens": NEW_TOKENS, "cpu_linear": "aten"}, dirs)
     assert got[dirs[0]] == _reference_tokens(dirs[0])
     assert got[dirs[1]] == _oracle_tokens(ct)
 

@@ -66,14 +66,14 @@ class UpcastWeight(nn.Module):
 @dataclass(frozen=True)
 class Candidate:
     name: str
-    wrap: Callable[[torch.Tensor | nn.Module], torch.Tensor | nn.Module]  # this linear's weight → its kernel
+    wrap: Callable[[torch.Tensor | nn.Module], nn.Module] | None  # this linear's weight → its kernel (None: as is)
 
 
 def candidates(weight: torch.Tensor | nn.Module, dtype: torch.dtype) -> list[Candidate]:
     """The kernels that can multiply this kind of weight in `dtype` on this CPU."""
     method = getattr(weight, "method", None)
     if method is None:
-        out = [Candidate("aten", lambda w: w)]
+        out = [Candidate("aten", None)]
         if torch.backends.mkldnn.is_available() and dtype in (torch.float32, torch.bfloat16):
             out.append(Candidate("onednn", OneDnnWeight))
         if dtype == torch.bfloat16:
@@ -112,7 +112,7 @@ def measure(weight: torch.Tensor | nn.Module, dtype: torch.dtype, rows: int,
             timer=time_kernel) -> dict[str, tuple[float, float]]:
     """Each candidate's (seconds at 1 row, seconds at `rows` rows) on this weight, measured alternately."""
     in_features = weight.in_features if isinstance(weight, nn.Module) else weight.shape[1]
-    kernels = {c.name: c.wrap(weight) for c in candidates(weight, dtype)}
+    kernels = {c.name: c.wrap(weight) if c.wrap else weight for c in candidates(weight, dtype)}
     times = {name: [float("inf"), float("inf")] for name in kernels}
     for _ in range(2):  # two passes, interleaved: a burst of other work hits one pass, not one kernel
         for name, kernel in kernels.items():
@@ -157,7 +157,7 @@ def choose_cpu_linear(model: nn.Module, dtype: torch.dtype, policy: str = "auto"
             name = fastest(times)
         else:
             name = next(iter(options))
-        for m in mods:
+        for m in mods if options[name].wrap else ():  # aten: the weights stay as they are
             weight = m.weight
             del m.weight
             m.weight = options[name].wrap(weight.data if isinstance(weight, torch.Tensor) else weight)
