@@ -109,14 +109,31 @@ def test_the_triton_backend_matches_the_torch_backend_over_mixed_steps(layer):
 
 
 # -- scheduling modes ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("settings,name,pipelined", [
-    (dict(), "async", True), (dict(async_scheduling=True), "async", True), (dict(async_scheduling=False), "sync", False),
-    (dict(speculative_method="ngram"), "speculative (ngram)", False),
-    (dict(num_scheduler_steps=4), "multi-step (4)", False),
-    (dict(num_scheduler_steps=4, async_scheduling=False), "multi-step (4)", False)])
-def test_the_scheduling_mode_is_chosen_once_from_the_settings(settings, name, pipelined):
+@pytest.mark.parametrize("settings,name,pipelined,step_kind", [
+    (dict(), "async", True, "one"), (dict(async_scheduling=True), "async", True, "one"),
+    (dict(async_scheduling=False), "sync", False, "one"),
+    (dict(speculative_method="ngram"), "speculative (ngram)", False, "speculative"),
+    (dict(num_scheduler_steps=4), "multi-step (4)", False, "multi-step"),
+    (dict(num_scheduler_steps=4, async_scheduling=False), "multi-step (4)", False, "multi-step")])
+def test_the_scheduling_mode_is_chosen_once_from_the_settings(settings, name, pipelined, step_kind):
+    from engines.worker.step_kinds import STEP_KINDS
+
     mode = scheduling_mode(SchedulerConfig(**settings))
-    assert (mode.name, mode.pipelined) == (name, pipelined) and mode.why
+    assert (mode.name, mode.pipelined, mode.step_kind) == (name, pipelined, step_kind) and mode.why
+    assert STEP_KINDS[mode.step_kind].name == step_kind  # the runner's strategy for it
+
+
+def test_a_plan_its_step_kind_was_not_chosen_for_fails_loudly():
+    """Proposals to a runner that does not verify, several steps to one that runs one: the step fails
+    (its requests get a 424), nothing is silently dropped."""
+    from types import SimpleNamespace
+
+    from engines.worker.step_kinds import OneStep, Speculative
+
+    with pytest.raises(AssertionError, match="a plan of 3 steps, and the runner runs one at a time"):
+        Speculative().launch(None, SimpleNamespace(num_steps=3))
+    with pytest.raises(AssertionError, match=r"proposals to verify for \['r1'\], and speculative decoding is off"):
+        OneStep().verify(None, SimpleNamespace(spec_ids=["r1"]), None)
 
 
 @pytest.mark.parametrize("settings,message", [

@@ -36,6 +36,11 @@ class SchedulingMode:
             return f"multi-step ({self.num_scheduler_steps})"
         return "async" if self.pipelined else "sync"
 
+    @property
+    def step_kind(self) -> str:
+        """How the runner runs a plan (engines/worker/step_kinds.py)."""
+        return "speculative" if self.speculative_method else "multi-step" if self.num_scheduler_steps > 1 else "one"
+
 
 def scheduling_mode(sched: SchedulerConfig) -> SchedulingMode:
     """The mode the settings ask for; ValueError (one sentence naming the keys) when they cannot work together."""

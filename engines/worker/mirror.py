@@ -41,10 +41,11 @@ class Allocate(msgspec.Struct, tag="allocate"):
     attention_backend: str
     decode_mode: str = "eager"
     compile_cache_dir: str | None = None
+    step_kind: str = "one"  # engines/worker/step_kinds.py
 
     def run(self, target):
         return target.allocate(self.num_blocks, self.block_size, self.max_num_seqs, self.max_num_batched_tokens,
-                               self.attention_backend, self.decode_mode, self.compile_cache_dir)
+                               self.attention_backend, self.decode_mode, self.compile_cache_dir, self.step_kind)
 
 
 class WarmUpBuckets(msgspec.Struct, tag="warm_up_buckets"):

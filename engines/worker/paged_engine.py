@@ -62,7 +62,8 @@ class PagedEngine(EngineLoop):
         decode_mode, why = self._decode_mode()
         with TIMELINE.phase("kv_allocation"):
             self.paged.call(Allocate(num_blocks, block_size, sched.max_num_seqs, sched.max_num_batched_tokens,
-                                     sched.attention_backend, decode_mode, sched.compile_cache_dir))
+                                     sched.attention_backend, decode_mode, sched.compile_cache_dir,
+                                     self.mode.step_kind))
         with TIMELINE.phase("warm_up_buckets" if decode_mode == DECODE_EAGER else f"warm_up_buckets_{decode_mode}"):
             self.paged.call(WarmUpBuckets())
         log.info("decode steps: %s (%s)", decode_mode, why)

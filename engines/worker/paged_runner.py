@@ -33,9 +33,10 @@ from engines.core.plan import StepPlan
 from engines.models.registry import fallback_reason
 from engines.worker.model_runner import ModelRunner
 from engines.worker.grammar import Grammars
-from engines.worker.sampler import SampleResult, Sampler, prompt_logprobs
+from engines.worker.sampler import Sampler, prompt_logprobs
 from engines.worker.step_buffers import StepBuffers
 from engines.worker.step_graphs import StepGraphs
+from engines.worker.step_kinds import STEP_KINDS, OneStep
 from engines.worker.step_output import HostCopy, PendingStep, StepResult
 
 # how a decode step runs (the engine chooses; docs/paged.md)
@@ -80,6 +81,7 @@ class PagedRunner:
         self.sampler = Sampler(runner.device, runner.eos_token_ids,
                                Grammars(runner.config.local_dir, runner.spec.vocab_size, runner.eos_token_ids))
         self.decode_mode = DECODE_EAGER
+        self.steps: OneStep = OneStep()  # how a plan runs: the engine's scheduling mode (allocate's step_kind)
         self._decode_model = runner.model  # what runs a decode step eagerly (compiled with DECODE_INDUCTOR)
         self.graphs: StepGraphs | None = None
         self._pending: PendingStep | None = None  # launched, not resolved (pipelined)
@@ -89,10 +91,12 @@ class PagedRunner:
 
     def allocate(self, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
                  attention_backend: str = "auto", decode_mode: str = DECODE_EAGER,
-                 compile_cache_dir: str | None = None) -> None:
+                 compile_cache_dir: str | None = None, step_kind: str = "one") -> None:
         """The attention backend and its KV cache (rank 0 sizes it and tells the others), the step
-        buffers, and how decode steps run (decode_mode, chosen by the engine: docs/paged.md)."""
+        buffers, how decode steps run (decode_mode, chosen by the engine: docs/paged.md), and how a
+        plan runs (step_kind: the engine's scheduling mode, engines/worker/step_kinds.py)."""
         r = self.runner
+        self.steps = STEP_KINDS[step_kind]()
         cls = select_backend(attention_backend, r.device, r.kv_dtype, r.dtype)
         self.backend = cls(r.num_layers, r.num_kv_heads, r.head_dim, block_size, r.dtype, r.device, r.layer_options,
                            r.kv_dtype, r.kv_layers)
@@ -194,13 +198,7 @@ class PagedRunner:
         self.apply_plan(plan)
         if not plan.scheduled:
             return None
-        if plan.num_steps > 1:
-            return self._multi_step(plan)
-        prep = self._prepare(plan)
-        logits = self.forward(prep.batch)
-        if prep.spec_ids:
-            return self._verify(prep, logits)
-        return self._sample(prep, logits)
+        return self.steps.launch(self, plan)
 
     def _prepare(self, plan: StepPlan) -> _Prepared:
         """The plan's chunks, with the rows whose logits the step needs: first one per request whose
@@ -320,88 +318,6 @@ class PagedRunner:
                                        st.prompt_top_n)
             row += count
         return out
-
-    def _verify(self, prep: _Prepared, logits: torch.Tensor | None) -> PendingStep:
-        """A step with proposals to verify (sync: decided on the host): the sampling rows as usual,
-        the proposals by `Sampler.verify`; the emitted tokens shared as lists."""
-        rids = prep.sampling_ids + prep.spec_ids
-        counts = [1] * len(prep.sampling_ids) + [len(d) + 1 for d in prep.drafts]
-        self._fed = None
-        if logits is None:
-            shared = [SampleResult(toks, [], []) for toks in self._share_lists(counts)]
-            return PendingStep(rids, samples=shared, is_rank0=False)
-        n = len(prep.sampling_ids)
-        samples = self.sampler.sample(logits[:n], prep.sampling_ids).split_rows() if n else []
-        num_prompt = sum(count for _, _, count in prep.prompt_rows)
-        samples += self.sampler.verify(logits[n + num_prompt:], prep.spec_ids, prep.drafts)
-        self._share_lists(counts, [s.token_ids for s in samples])
-        return PendingStep(rids, samples=samples, prompt=self._prompt_logprobs(prep, logits[n:]))
-
-    def _share_lists(self, max_counts: list[int], token_ids: list[list[int]] | None = None) -> list[list[int]]:
-        """Rank 0's emitted tokens (up to max_counts[i] each) → on every rank."""
-        comm = self.runner.comm
-        if comm.world_size == 1:
-            return token_ids or []
-        if comm.rank == 0:
-            flat = [t for toks, m in zip(token_ids, max_counts) for t in toks + [-1] * (m - len(toks))]
-            buf = torch.tensor(flat, dtype=torch.long, device=self.runner.device)
-        else:
-            buf = torch.full((sum(max_counts),), -1, dtype=torch.long, device=self.runner.device)
-        values, out, i = comm.broadcast(buf).tolist(), [], 0
-        for m in max_counts:
-            out.append([t for t in values[i:i + m] if t >= 0])
-            i += m
-        return out
-
-    def _multi_step(self, plan: StepPlan) -> PendingStep:
-        """plan.num_steps decode steps of every scheduled request, each step's sampled tokens fed to
-        the next on the device; the slots for all of them are allocated. Rank 0 ends the run early
-        when `interrupted()` (an arrival: its prefill should not wait), and tells the other ranks
-        with the tokens."""
-        rids = plan.scheduled_ids
-        states = [self.states[rid] for rid in rids]
-        rows = {rid: i for i, rid in enumerate(rids)}
-        steps: list[tuple] = []  # per step (token ids, log-probs, top) on the device
-        for j in range(plan.num_steps):
-            # step 0 reads each request's last token from the host, the later ones the tokens just sampled
-            chunks = [SeqChunk(st.num_computed_tokens, 1, st.block_ids,
-                               [] if j else st.token_ids[st.num_computed_tokens:st.num_computed_tokens + 1],
-                               i if j else -1, lora_slot=st.lora_slot) for i, st in enumerate(states)]
-            logits = self.forward(ForwardBatch(chunks, list(range(len(rids)))))
-            for st in states:
-                st.num_computed_tokens += 1
-            go_on = j + 1 < plan.num_steps
-            tokens = None
-            if self.samples:
-                steps.append(self.sampler.sample_on_device(logits, rids))
-                tokens = steps[-1][0]
-                go_on = go_on and not self.interrupted()
-            if self.runner.comm.world_size > 1:
-                tokens, go_on = self._share_step(tokens, len(rids), go_on)
-                if not self.samples:
-                    steps.append((tokens,))
-            self._fed = (tokens, rows)
-            if not go_on:
-                break
-        pending = PendingStep(rids, num_steps=j + 1, is_rank0=self.samples)
-        parts = [torch.stack([s[0] for s in steps], dim=1)]  # [B, steps]
-        if self.samples:
-            parts.append(torch.stack([s[1] for s in steps], dim=1))
-            if steps[0][2] is not None:
-                parts += [torch.stack([s[2][0] for s in steps], dim=1), torch.stack([s[2][1] for s in steps], dim=1)]
-            pending.top_ns = self.sampler.top_ns(rids)
-        pending.copy = HostCopy(parts)
-        return pending
-
-    def _share_step(self, tokens: torch.Tensor | None, n: int, go_on: bool) -> tuple[torch.Tensor, bool]:
-        """A multi-step decode at TP > 1: rank 0's sampled tokens and whether to go on, to every rank."""
-        comm, device = self.runner.comm, self.runner.device
-        if comm.rank == 0:
-            buf = torch.cat([tokens.view(-1), torch.tensor([int(go_on)], device=device)])
-        else:
-            buf = torch.empty(n + 1, dtype=torch.long, device=device)
-        buf = comm.broadcast(buf)
-        return buf[:-1], bool(buf[-1])
 
 
 def lora_row_slots(chunks) -> list[int] | None:
