@@ -1,6 +1,8 @@
 """Tensor parallelism on CPU ranks: decode step time at TP=1 and TP=2, all-reduce cost, peak RSS.
 
     python -m benchmarks.tp --model-dir models/small --batch 8 --steps 32 --rounds 3
+    python -m benchmarks.tp --model-dir models/small --served 16 --rounds 3 \
+        --out benchmarks/results/tp_served_small.json     # real servers: TP=2 under mpirun vs one process
 
 Each configuration runs as real processes (TP=2 under mpirun); rounds alternate TP=1 and TP=2.
 A worker loads the model with the sharded loader, reports its peak RSS after loading (VmHWM), then
@@ -94,6 +96,43 @@ def run(tp: int, args) -> list[dict]:
     return rows
 
 
+def served(args) -> int:
+    """TP=2 under mpirun against one process using the same cores, both real `lmi serve` servers
+    up for the whole run, rounds interleaved."""
+    from benchmarks.peers import host, lmi_run, workload
+    from benchmarks.server import BenchServer
+    from handlers.tokenizer import TextTokenizer
+
+    prompts, tok = workload(args.model_dir, args.served, 32), TextTokenizer(args.model_dir)
+    servers = {"TP=1, one process": BenchServer("paged+tp1", args.model_dir, None, "512MiB"),
+               "TP=2, mpirun": BenchServer("paged+tp2", args.model_dir, None, "512MiB",
+                                           ["paged+tp2:engine=MPI", "paged+tp2:option.tensor_parallel_degree=2"])}
+    runs: dict[str, list[float]] = {name: [] for name in servers}
+    try:
+        for s in servers.values():
+            s.wait_ready()
+        for rnd in range(args.rounds):
+            for name, s in servers.items():
+                runs[name].append(lmi_run(s, prompts, 128, tok))
+                print(f"round {rnd} {name}: {runs[name][-1]:.1f} tok/s", flush=True)
+    finally:
+        for s in servers.values():
+            s.stop()
+    med = {name: statistics.median(v) for name, v in runs.items()}
+    ratio = med["TP=2, mpirun"] / med["TP=1, one process"]
+    info = host()
+    print(f"\n{args.model_dir}, {args.served} clients x 32 in / 128 out, medians of {args.rounds} rounds; host "
+          f"{info['cpu']}, {info['cores']} cores, {info['flags']}")
+    for name, value in med.items():
+        print(f"  {name:<20} {value:8.1f} tok/s")
+    print(f"  TP=2 / one process: {ratio:.2f}x")
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"args": vars(args), "host": info, "runs": runs, "medians_tok_s": med, "tp2_over_tp1": ratio}, f,
+                  indent=1)
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.tp")
     p.add_argument("--model-dir", required=True)
@@ -104,11 +143,16 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--result-dir", help=argparse.SUPPRESS)
+    p.add_argument("--served", type=int, metavar="CLIENTS",
+                   help="instead: real servers (the host's default dtype), one process with every core against "
+                        "TP=2 under mpirun, CLIENTS concurrent clients of 32 in / 128 out, generated tok/s")
     p.add_argument("--out", default="benchmarks/results/tp.json")
     args = p.parse_args(argv)
     if args.worker:
         worker(args)
         return 0
+    if args.served:
+        return served(args)
     runs: dict[int, list[list[dict]]] = {1: [], 2: []}
     for rnd in range(args.rounds):
         for tp in (1, 2):
