@@ -127,7 +127,8 @@ def workload(resolved, shape: ModelShape, machine: Machine, engine_kind: str, *,
     prompt = prompt_tokens if prompt_tokens is not None else shape.max_model_len - output
     spec = resolved["option.kv_cache_memory"]
     kv_bytes = memory_bytes(spec, machine.device_bytes) if spec and not machine.is_gpu else None
-    return Workload(dtype=dtype.dtype, dtype_why=dtype.why, tensor_parallel_degree=tp, max_num_seqs=resolved["option.max_rolling_batch_size"],
+    return Workload(dtype=dtype.dtype, dtype_why=dtype.why, tensor_parallel_degree=tp,
+                    max_num_seqs=resolved["option.max_rolling_batch_size"],
                     max_num_batched_tokens=resolved["option.max_rolling_batch_prefill_tokens"],
                     max_model_len=shape.max_model_len, prompt_tokens=prompt, output_tokens=output,
                     kv_block_size=resolved["option.kv_block_size"],

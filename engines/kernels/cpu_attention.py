@@ -95,7 +95,8 @@ def cached_build(source: Path, what: str) -> Path:
         raise BuildError("no C compiler (cc or gcc) on PATH")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     texts = [source.read_text(), HEADER.read_text()]  # the kernel and what it includes
-    key = hashlib.sha256("\0".join([*texts, " ".join(FLAGS), version, " ".join(sorted(cpu_flags()))]).encode()).hexdigest()
+    flags = " ".join(sorted(cpu_flags()))
+    key = hashlib.sha256("\0".join([*texts, " ".join(FLAGS), version, flags]).encode()).hexdigest()
     errors = []
     for directory in _cache_dirs():
         target = directory / f"{source.stem}-{key[:16]}.so"
