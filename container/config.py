@@ -616,8 +616,10 @@ def gpu_supports_bf16() -> bool | None:
     """Whether every visible NVIDIA GPU computes bf16 (compute capability 8.0+: A100, A10G, L4, H100, ...);
     None when it cannot say."""
     caps = query_gpus("compute_cap")
+    if not caps:
+        return None
     try:
-        return bool(caps) and all(float(cap) >= 8.0 for cap in caps) if caps is not None else None
+        return all(float(cap) >= 8.0 for cap in caps)
     except ValueError:
         return None
 

@@ -157,10 +157,12 @@ def choose_cpu_linear(model: nn.Module, dtype: torch.dtype, policy: str = "auto"
             name = fastest(times)
         else:
             name = next(iter(options))
-        for m in mods if options[name].wrap else ():  # aten: the weights stay as they are
-            weight = m.weight
-            del m.weight
-            m.weight = options[name].wrap(weight.data if isinstance(weight, torch.Tensor) else weight)
+        wrap = options[name].wrap
+        for m in mods if wrap else ():  # aten: the weights stay as they are (parameters)
+            kernel = wrap(m.weight.data if isinstance(m.weight, torch.Tensor) else m.weight)
+            if kernel is not m.weight:  # (a quantised weight already in the chosen dtype is its own kernel)
+                del m.weight
+                m.weight = kernel
         shape = (widest.out_features, widest.in_features) if isinstance(widest, nn.Module) else tuple(widest.shape)
         chosen.append((kind, name, times, shape))
     return chosen
