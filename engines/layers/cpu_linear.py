@@ -32,6 +32,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from engines.kernels import cpu_qlinear
 from engines.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 class OneDnnWeight(nn.Module):
@@ -84,7 +85,7 @@ def candidates(weight: torch.Tensor | nn.Module, dtype: torch.dtype) -> list[Can
         if dtype != torch.bfloat16:
             out.append(Candidate("bf16", lambda w: w.compute_in(torch.bfloat16)))
         return out
-    return []  # int8_dynamic (its own oneDNN/fbgemm int8 GEMM), fp8 (CUDA): one kernel each
+    return []  # int8_dynamic (chosen by row count: _choose_int8_rows), fp8 (CUDA): one kernel each
 
 
 def time_kernel(kernel, in_features: int, dtype: torch.dtype, rows: int, repeats: int = 7,
@@ -146,6 +147,10 @@ def choose_cpu_linear(model: nn.Module, dtype: torch.dtype, policy: str = "auto"
     chosen = []
     for kind, mods in kinds.items():
         widest = max(mods, key=lambda m: _numel(m.weight)).weight
+        if kind == "int8_dynamic":
+            if policy in ("auto", None) and int8_kernel_runs(widest, dtype):
+                chosen.append(_choose_int8_rows(mods, widest, dtype, timer))
+            continue
         options = {c.name: c for c in candidates(widest, dtype)}
         if not options:
             continue
@@ -168,6 +173,40 @@ def choose_cpu_linear(model: nn.Module, dtype: torch.dtype, policy: str = "auto"
     return chosen
 
 
+def int8_kernel_runs(weight: nn.Module, dtype: torch.dtype) -> bool:
+    """Whether cpu_qlinear's int8 kernel can take this int8_dynamic weight's calls (per-row activation
+    scales, float32/bf16 activations, the kernel built here)."""
+    return weight.per_row and dtype in cpu_qlinear.DTYPES and cpu_qlinear.load() is not None
+
+
+def _choose_int8_rows(mods: list[nn.Module], widest: nn.Module, dtype: torch.dtype, timer) \
+        -> tuple[str, str, dict[str, tuple[float, ...]], tuple[int, int]]:
+    """int8_dynamic: cpu_qlinear's kernel and torch._int_mm compute the same bits, so each call may take
+    whichever is faster for its row count. Both are timed on the widest weight at 1, 4, 8, 16 and 32
+    rows (alternately, twice); the kernel takes the calls of up to the most rows it won at, every
+    count below included, and every int8_dynamic linear gets that limit."""
+    kernels = {"lmi": widest.with_kernel(ROW_LADDER[-1]), "int_mm": widest}
+    times = {name: [float("inf")] * len(ROW_LADDER) for name in kernels}
+    for _ in range(2):
+        for name, kernel in kernels.items():
+            for i, n in enumerate(ROW_LADDER):
+                times[name][i] = min(times[name][i], timer(kernel, widest.in_features, dtype, n))
+    max_rows = 0
+    for i, n in enumerate(ROW_LADDER):
+        if times["lmi"][i] >= times["int_mm"][i]:
+            break
+        max_rows = n
+    for m in mods:
+        kernel = m.weight.with_kernel(max_rows)
+        del m.weight
+        m.weight = kernel
+    name = f"lmi up to {max_rows} rows, int_mm above" if max_rows else "int_mm"
+    return "int8_dynamic", name, {k: tuple(v) for k, v in times.items()}, (widest.out_features, widest.in_features)
+
+
+ROW_LADDER = (1, 4, 8, 16, 32)  # the row counts at which int8_dynamic's two kernels are compared
+
+
 def _named(policy: str, options: dict[str, Candidate], weight: torch.Tensor) -> str:
     if policy not in options:
         raise ValueError(f"option.cpu_linear={policy} cannot multiply {weight.dtype} weights on this CPU; "
@@ -184,6 +223,7 @@ def describe(kind: str, name: str, times: dict[str, tuple[float, float]], shape:
     """One log line: the kernel in use for this kind of weight, and the table that chose it."""
     if not times:
         return f"CPU linear kernel for {kind} weights: {name}"
-    cells = ", ".join(f"{n} {1e3 * a:.3f} / {1e3 * b:.3f} ms" for n, (a, b) in times.items())
-    return (f"CPU linear kernel for {kind} weights: {name} (measured on a [1 | {rows}, {shape[1]}] x "
-            f"[{shape[1]}, {shape[0]}] product: {cells})")
+    counts = ROW_LADDER if kind == "int8_dynamic" else (1, rows)
+    cells = ", ".join(f"{n} {' / '.join(f'{1e3 * t:.3f}' for t in ts)} ms" for n, ts in times.items())
+    return (f"CPU linear kernel for {kind} weights: {name} (measured on a [{' | '.join(map(str, counts))}, "
+            f"{shape[1]}] x [{shape[1]}, {shape[0]}] product: {cells})")

@@ -23,6 +23,7 @@ import warnings
 import torch
 from torch import nn
 
+from engines.kernels import cpu_qlinear
 from engines.precision import cpu_flags
 from engines.layers.linear import ColumnParallelLinear, RowParallelLinear
 
@@ -197,8 +198,10 @@ class Int8DynamicWeight(nn.Module):
         self.reduce_range = not vnni if reduce_range is None else reduce_range
         q, scales = int8_quantize(weight, torch.float32)
         self.packed_bytes = q.numel() + 4 * scales.numel()  # held outside parameters: what the weight costs
+        self.kernel_rows = 0  # calls of at most this many rows run cpu_qlinear's kernel (with_kernel)
         if self.per_row:
-            self._qweight_t, self._scales = q.t(), scales  # [in, out] view of the rows: _int_mm's right side
+            self._rows = cpu_qlinear.pack(q)  # the rows padded to 64 bytes, for the kernel and _int_mm alike
+            self._qweight_t, self._scales = self._rows.rows[:, :self.in_features].t(), scales.contiguous()
             return
         with warnings.catch_warnings():  # PyTorch deprecates quantized tensors; its int8 linear still takes them
             warnings.simplefilter("ignore", UserWarning)
@@ -210,8 +213,20 @@ class Int8DynamicWeight(nn.Module):
         """How this weight quantises its inputs, for the start log."""
         return "int8 per token" if self.per_row else "7-bit per tensor" if self.reduce_range else "uint8 per tensor"
 
+    def with_kernel(self, max_rows: int) -> "Int8DynamicWeight":
+        """A copy sharing the packed rows whose calls of at most `max_rows` rows run cpu_qlinear's kernel
+        (the same arithmetic as torch._int_mm's path, bit for bit; faster at few rows)."""
+        if not self.per_row:
+            raise ValueError("the int8 kernel takes per-row activation scales (a CPU with VNNI)")
+        out = copy.copy(self)
+        out.kernel_rows = max_rows
+        return out
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1]).float()
+        flat = x.reshape(-1, x.shape[-1])
+        if flat.shape[0] <= self.kernel_rows and x.dtype in cpu_qlinear.DTYPES and not torch.compiler.is_compiling():
+            return cpu_qlinear.linear(flat, self._rows, self._scales).view(*x.shape[:-1], self.out_features)
+        flat = flat.float()
         if self.per_row:
             step = flat.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127  # [rows, 1]
             xq = torch.round(flat / step).to(torch.int8)

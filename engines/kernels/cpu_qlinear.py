@@ -1,0 +1,85 @@
+"""The CPU int8 linear kernel (cpu_qlinear.c: int8 activations, one scale per row, times int8 weight
+rows, int32 sums with AVX-512 VNNI), built and cached as the CPU attention kernel is
+(cpu_attention.cached_build) and called through ctypes. Its arithmetic is the torch path's in
+Int8DynamicWeight.forward (engines/layers/quant.py), bit for bit; what it changes is speed: PyTorch's
+int8 GEMM (`torch._int_mm`) reads a lone row's weights at about a quarter of the memory's speed.
+
+    packed = pack(q)                     # q [out, in] int8 → PackedInt8 (rows padded to 64 bytes, sums)
+    y = linear(x, packed, scales)        # x [rows, in] float32/bf16 → [rows, out] in x's dtype
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engines.kernels import cpu_attention
+
+log = logging.getLogger(__name__)
+
+SOURCE = cpu_attention.SOURCE.with_name("cpu_qlinear.c")
+ALIGN = 64  # bytes of K per vpdpbusd step: weight rows are padded to a multiple
+DTYPES = (torch.float32, torch.bfloat16)  # the activations it reads and the outputs it writes
+
+
+def bind(path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    fn = lib.lmi_qlinear_s8
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                   ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return lib
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The kernel, or None (logged once: torch._int_mm runs) when it cannot be built here."""
+    try:
+        return bind(cpu_attention.cached_build(SOURCE, "CPU int8 linear kernel"))
+    except (cpu_attention.BuildError, OSError) as e:
+        log.warning("the CPU int8 linear kernel did not build (%s): int8_dynamic multiplies with torch._int_mm", e)
+        return None
+
+
+@dataclass(frozen=True)
+class PackedInt8:
+    """int8 weight rows [out, kp] (kp: in_features padded with zeros to a multiple of 64) and
+    wsum [out] = 128 * each row's sum (the u8 activations' offset, taken back once per output)."""
+    rows: torch.Tensor
+    wsum: torch.Tensor
+    in_features: int
+
+
+def pack(q: torch.Tensor) -> PackedInt8:
+    out_features, in_features = q.shape
+    kp = -(-in_features // ALIGN) * ALIGN
+    rows = torch.zeros(out_features, kp, dtype=torch.int8)
+    rows[:, :in_features] = q
+    wsum = (q.to(torch.int32).sum(dim=1) * 128).to(torch.int32).contiguous()
+    return PackedInt8(rows, wsum, in_features)
+
+
+def linear(x: torch.Tensor, packed: PackedInt8, scales: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """x [rows, in] (float32 or bf16, last dim contiguous) → [rows, out] in x's dtype; scales [out]
+    float32, contiguous; lib: another build (tests)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    rows, out_features = x.shape[0], packed.rows.shape[0]
+    y = torch.empty(rows, out_features, dtype=x.dtype)
+    call = functools.partial(
+        (lib or load()).lmi_qlinear_s8, x.data_ptr(), x.stride(0), int(x.dtype == torch.bfloat16), rows,
+        packed.in_features, packed.rows.data_ptr(), packed.wsum.data_ptr(), scales.data_ptr(), packed.rows.shape[1],
+        out_features, y.data_ptr(), out_features, torch.get_num_threads())
+    if torch.autograd.profiler._is_profiler_enabled:  # a foreign call: named for torch.profiler (only then:
+        with torch.profiler.record_function("lmi::cpu_qlinear_s8"):  # the record costs as much as a small call)
+            failed = call()
+    else:
+        failed = call()
+    if failed:
+        raise MemoryError("the CPU int8 linear kernel could not allocate its scratch memory")
+    return y
