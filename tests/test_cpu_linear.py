@@ -231,3 +231,54 @@ def test_paged_engine_int8_dynamic_tokens_are_the_same_with_the_kernel_and_witho
                                         for i, p in enumerate(prompts)])
         tokens.append([output_tokens(outputs[f"{max_rows}-{i}"]) for i in range(len(prompts))])
     assert tokens[0] == tokens[1] and all(len(t) == 10 for t in tokens[0])
+
+
+# int4: cpu_qlinear's W4A8 kernel (int8 activations per row x int4 groups), measured against PyTorch's
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_features, in_features", [(96, 256), (37, 96), (8, 160)])
+def test_w4a8_kernel_computes_its_reference_arithmetic(dtype, out_features, in_features) -> None:
+    from engines.kernels import cpu_qlinear
+    from engines.layers.quant import int4_dequantize, int4_quantize
+
+    assert cpu_qlinear.load() is not None, "the int8 kernels did not build here"
+    gen = torch.Generator().manual_seed(in_features)
+    q, scales, zeros = int4_quantize(torch.randn(out_features, in_features, generator=gen) * 0.05, 32, dtype)
+    packed = cpu_qlinear.pack_int4(q, scales, zeros)
+    x = torch.randn(17, in_features, generator=gen) * 3
+    x[2] = 0.0
+    x[5, 7] = 1e4
+    x = x.to(dtype)
+    for rows in (1, 3, 4, 5, 17):  # a lone row, whole tiles of 4, remainders
+        got = cpu_qlinear.w4a8(x[:rows], packed)
+        assert got.dtype == dtype
+        want = cpu_qlinear.w4a8_reference(x[:rows], q, scales, zeros)
+        tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=8e-3)  # bf16: its rounding
+        torch.testing.assert_close(got.float(), want, **tol)
+    # and it is the int4 weight's product, up to the activations' 8 bits (the outlier row aside)
+    rows = [0, 1, 3, 4]
+    exact = x[rows].float() @ int4_dequantize(q, scales, zeros, 32).t()
+    err = (cpu_qlinear.w4a8(x[rows], packed).float() - exact).abs().max() / exact.abs().max()
+    assert err < 0.03
+
+
+@pytest.mark.parametrize("winner", ["w4a8", "native"])
+def test_int4_takes_the_measured_kernel_and_drops_the_other_layout(winner) -> None:
+    from engines.layers.quant import Int4A8Weight, quantize_linears
+
+    model = _Tiny(torch.float32)
+    quantize_linears(model, "int4")
+    assert model.up.weight.w4a8 is not None  # both layouts until the choice
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
+    before = model(x)
+    if "w4a8" not in {c.name for c in cpu_linear.candidates(model.up.weight, torch.float32)}:
+        pytest.skip("the int8 kernels did not build here")
+    chosen = choose_cpu_linear(model, torch.float32, "auto",
+                               timer=lambda k, i, d, r: 1.0 if getattr(k, "activations", "") == "int8 per token"
+                               and winner == "w4a8" or winner == "native" and isinstance(k, type(model.up.weight))
+                               and k.scales_zeros.dtype == torch.float32 else 2.0)
+    assert [name for kind, name, _, _ in chosen if kind == "int4"] == [winner]
+    for m in (model.up, model.down):
+        assert isinstance(m.weight, Int4A8Weight) == (winner == "w4a8")
+        assert winner == "w4a8" or m.weight.w4a8 is None  # PyTorch's kernel: the W4A8 layout is gone
+    torch.testing.assert_close(model(x), before, atol=0.05 * before.abs().max().item(), rtol=0.05)

@@ -33,6 +33,11 @@ def bind(path) -> ctypes.CDLL:
                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                    ctypes.c_int]
     fn.restype = ctypes.c_int
+    fn = lib.lmi_qlinear_w4a8
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                   ctypes.c_int]
+    fn.restype = ctypes.c_int
     return lib
 
 
@@ -83,3 +88,65 @@ def linear(x: torch.Tensor, packed: PackedInt8, scales: torch.Tensor, lib: ctype
     if failed:
         raise MemoryError("the CPU int8 linear kernel could not allocate its scratch memory")
     return y
+
+
+@dataclass(frozen=True)
+class PackedInt4:
+    """int4 groups in the W4A8 kernel's layout (cpu_qlinear.c): nibbles [out, kp / 2] uint8 (kp: in_features
+    padded to a multiple of 128), scales s and c = z - 8 s, float32 [out, kp / 32]."""
+    nibbles: torch.Tensor
+    s: torch.Tensor
+    c: torch.Tensor
+    in_features: int
+
+
+W4_BLOCK = 128  # inputs per 64-byte block of nibbles
+
+
+def pack_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> PackedInt4:
+    """q in 0..15 [out, in], scales and zeros [in / 32, out] (engines/layers/quant.py's int4_quantize,
+    W = (q - 8) s + z) → the kernel's layout (padding: q 0, s and c 0)."""
+    out_features, in_features = q.shape
+    kp = -(-in_features // W4_BLOCK) * W4_BLOCK
+    padded = torch.zeros(out_features, kp, dtype=torch.uint8)
+    padded[:, :in_features] = q
+    halves = padded.view(out_features, kp // W4_BLOCK, 2, W4_BLOCK // 2)
+    nibbles = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(out_features, kp // 2).contiguous()
+    s = torch.zeros(out_features, kp // 32)
+    c = torch.zeros(out_features, kp // 32)
+    s[:, :scales.shape[0]] = scales.float().t()
+    c[:, :scales.shape[0]] = zeros.float().t() - 8 * scales.float().t()
+    return PackedInt4(nibbles, s, c, in_features)
+
+
+def w4a8(x: torch.Tensor, packed: PackedInt4, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """x [rows, in] (float32 or bf16, last dim contiguous) → [rows, out] in x's dtype: the int4 weight times
+    x quantised to int8 per row (cpu_qlinear.c); lib: another build (tests)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    rows, out_features = x.shape[0], packed.nibbles.shape[0]
+    y = torch.empty(rows, out_features, dtype=x.dtype)
+    call = functools.partial(
+        (lib or load()).lmi_qlinear_w4a8, x.data_ptr(), x.stride(0), int(x.dtype == torch.bfloat16), rows,
+        packed.in_features, packed.nibbles.data_ptr(), packed.s.data_ptr(), packed.c.data_ptr(),
+        packed.nibbles.shape[1] * 2, out_features, y.data_ptr(), out_features, torch.get_num_threads())
+    if torch.autograd.profiler._is_profiler_enabled:
+        with torch.profiler.record_function("lmi::cpu_qlinear_w4a8"):
+            failed = call()
+    else:
+        failed = call()
+    if failed:
+        raise MemoryError("the CPU int4 linear kernel could not allocate its scratch memory")
+    return y
+
+
+def w4a8_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """The kernel's arithmetic in PyTorch (float64 sums: its oracle in tests): x [rows, in] → float32 [rows, out]."""
+    flat = x.float()
+    step = flat.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
+    xq = torch.round(flat / step).double()
+    groups = q.shape[1] // 32
+    d = torch.einsum("rgk,ngk->rng", xq.view(-1, groups, 32), q.double().view(q.shape[0], groups, 32))
+    xsum = xq.view(-1, groups, 32).sum(-1)  # [rows, groups]
+    s, z = scales.double().t(), zeros.double().t()  # [out, groups]
+    return ((d * s).sum(-1) + xsum @ (z - 8 * s).t()).mul(step.double()).float()

@@ -34,6 +34,7 @@ from torch import nn
 
 from engines.kernels import cpu_qlinear
 from engines.layers.linear import ColumnParallelLinear, RowParallelLinear
+from engines.layers.quant import Int4A8Weight
 
 class OneDnnWeight(nn.Module):
     """A dense weight reordered once into oneDNN's blocked layout (an opaque tensor: no Parameter)."""
@@ -84,6 +85,8 @@ def candidates(weight: torch.Tensor | nn.Module, dtype: torch.dtype) -> list[Can
         out = [Candidate("native", lambda w: w.compute_in(dtype))]
         if dtype != torch.bfloat16:
             out.append(Candidate("bf16", lambda w: w.compute_in(torch.bfloat16)))
+        if getattr(weight, "w4a8", None) is not None and dtype in cpu_qlinear.DTYPES and cpu_qlinear.load():
+            out.append(Candidate("w4a8", Int4A8Weight))
         return out
     return []  # int8_dynamic (chosen by row count: _choose_int8_rows), fp8 (CUDA): one kernel each
 
@@ -168,6 +171,8 @@ def choose_cpu_linear(model: nn.Module, dtype: torch.dtype, policy: str = "auto"
             if kernel is not m.weight:  # (a quantised weight already in the chosen dtype is its own kernel)
                 del m.weight
                 m.weight = kernel
+            if hasattr(kernel, "drop_w4a8"):  # int4 in PyTorch's kernel: the W4A8 layout goes
+                kernel.drop_w4a8()
         shape = (widest.out_features, widest.in_features) if isinstance(widest, nn.Module) else tuple(widest.shape)
         chosen.append((kind, name, times, shape))
     return chosen

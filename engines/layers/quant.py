@@ -125,6 +125,7 @@ class Int4Weight(nn.Module):
         pack, self._mm = INT4_KERNELS[weight.device.type]
         self.packed = nn.Parameter(pack(q, tiles), requires_grad=False)  # the kernel's layout
         self.scales_zeros = nn.Parameter(torch.stack([scales, zeros], dim=-1), requires_grad=False)  # [in/g, out, 2]
+        self._keep_w4a8(q, scales, zeros)
 
     @classmethod
     def from_quantized(cls, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) \
@@ -139,7 +140,16 @@ class Int4Weight(nn.Module):
         pack, self._mm = INT4_KERNELS[q.device.type]
         self.packed = nn.Parameter(pack(q.to(torch.int32).contiguous(), tiles), requires_grad=False)
         self.scales_zeros = nn.Parameter(torch.stack([scales, zeros], dim=-1).contiguous(), requires_grad=False)
+        self._keep_w4a8(q, scales, zeros)
         return self
+
+    def _keep_w4a8(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
+        """On CPU, the same groups also in cpu_qlinear's W4A8 layout (`w4a8`), for engines/layers/cpu_linear.py
+        to measure against PyTorch's kernel; the layout not chosen is dropped then (drop_w4a8)."""
+        self.w4a8 = cpu_qlinear.pack_int4(q, scales, zeros) if q.device.type == "cpu" else None
+
+    def drop_w4a8(self) -> None:
+        self.w4a8 = None
 
     def compute_in(self, dtype: torch.dtype) -> "Int4Weight":
         """As Int8Weight.compute_in: the same packed groups, scales and zero points in `dtype`."""
@@ -149,6 +159,26 @@ class Int4Weight(nn.Module):
         flat = x.reshape(-1, x.shape[-1]).to(self.scales_zeros.dtype).contiguous()
         y = self._mm(flat, self.packed, self.group_size, self.scales_zeros)
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+
+class Int4A8Weight(nn.Module):
+    """An int4 weight multiplied by int8 activations (one scale per row) in cpu_qlinear's W4A8 kernel:
+    llama.cpp's Q4_0 x Q8 arithmetic, chosen for option.quantize=int4 on CPUs where it measures faster
+    than PyTorch's weight-only kernel (engines/layers/cpu_linear.py). Eager CPU only."""
+
+    method = "int4"
+    activations = "int8 per token"
+
+    def __init__(self, weight: Int4Weight):
+        super().__init__()
+        self.out_features, self.in_features = weight.out_features, weight.in_features
+        self.packed_groups = weight.w4a8  # a cpu_qlinear.PackedInt4 (plain tensors: no parameters)
+        self.packed_bytes = sum(t.numel() * t.element_size() for t in
+                                (self.packed_groups.nibbles, self.packed_groups.s, self.packed_groups.c))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = cpu_qlinear.w4a8(x.reshape(-1, x.shape[-1]), self.packed_groups)
+        return y.view(*x.shape[:-1], self.out_features)
 
 
 def _computing_in(weight: nn.Module, dtype: torch.dtype, scales: str) -> nn.Module:
