@@ -204,10 +204,11 @@ KEYS: tuple[Key, ...] = (
     Key("option.cpu_compile", boolean, False,
         "CPU: the paged engine's decode step compiled by torch.compile (inductor), every batch bucket before "
         "/ping turns 200 (off by default: measured no faster on CPU, docs/paged.md)"),
-    Key("option.cpu_linear", choice("auto", "aten", "onednn", "upcast"), "auto",
+    Key("option.cpu_linear", choice("auto", "aten", "onednn", "upcast", "lmi"), "auto",
         "CPU: the linear layers' kernel: auto (the fastest for this CPU, dtype and model, measured at load), aten "
         "(F.linear: MKL / oneDNN per call), onednn (weights reordered once into oneDNN's layout), upcast (bf16 "
-        "weights multiplied in float32); auto is aten under option.cpu_compile (docs/quantization.md#cpu-kernels)"),
+        "weights multiplied in float32), lmi (our C kernel, engines/kernels/cpu_gemm.c); auto is aten under "
+        "option.cpu_compile (docs/quantization.md#cpu-kernels)"),
     Key("option.compile_cache_dir", text, None,
         "where torch.compile keeps its compiled code (TORCHINDUCTOR_CACHE_DIR), so that a restart is warm"),
     Key("option.tgi_compat", boolean, False, "/invocations answers as TGI's POST / (an array, or TGI's SSE stream)"),

@@ -26,7 +26,7 @@ class ModelConfig(msgspec.Struct, frozen=True):
     revision: str | None = None
     dtype: str = "fp32"  # fp32 | fp16 | bf16 | auto (= the checkpoint's torch_dtype)
     dtype_why: str = ""  # why the launcher chose it (engines/precision.py), for the engine's log
-    cpu_linear: str = "auto"  # CPU linear kernels: auto (measured at load) | aten | onednn | upcast
+    cpu_linear: str = "auto"  # CPU linear kernels: auto (measured at load) | aten | onednn | upcast | lmi
     trust_remote_code: bool = False
     model_impl: str = "auto"  # auto | native | transformers (option.model_impl)
     max_model_len: int | None = None  # None: the model's max_position_embeddings

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from engines.layers import cpu_linear
-from engines.layers.cpu_linear import OneDnnWeight, UpcastWeight, choose_cpu_linear, fastest
+from engines.layers.cpu_linear import GemmWeight, OneDnnWeight, UpcastWeight, choose_cpu_linear, fastest
 from engines.layers.linear import linear
 from engines.layers.quant import Int4Weight, Int8Weight
 from tests.support import drive_engine, hf_oracle, local_engine, output_tokens
@@ -30,6 +30,26 @@ def test_onednn_weight_computes_what_f_linear_does(dtype) -> None:
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.05, rtol=0.02)
     torch.testing.assert_close(linear(x, packed, b), want, **tol)
     torch.testing.assert_close(linear(x[None], packed, b)[0], want, **tol)  # [batch, rows, in] as the models call
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_features, in_features", [(96, 64), (37, 100), (5, 33)])
+def test_our_dense_kernel_computes_what_f_linear_does(dtype, out_features, in_features) -> None:
+    from engines.kernels import cpu_gemm
+
+    assert cpu_gemm.load() is not None, "the dense kernel did not build here"
+    gen = torch.Generator().manual_seed(in_features)
+    w = torch.randn(out_features, in_features, generator=gen).to(dtype)
+    kernel = GemmWeight(w)
+    assert kernel.weight.data_ptr() == w.data_ptr()  # the weight as it is: no copy
+    x = torch.randn(17, in_features, generator=gen).to(dtype)
+    for rows in (1, 3, 4, 5, 17):  # a lone row (its own loop), whole 4 x 4 tiles, remainders
+        want = x[:rows].double() @ w.double().t()
+        got = linear(x[:rows], kernel)
+        assert got.dtype == dtype
+        tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.1, rtol=8e-3)  # bf16: its rounding
+        torch.testing.assert_close(got.double(), want, **tol)
+    assert torch.equal(linear(x[None, :3], kernel)[0], linear(x[:3], kernel))  # [batch, rows, in] as the models call
 
 
 def test_upcast_weight_is_the_float32_product_rounded_to_bf16() -> None:
@@ -82,7 +102,7 @@ class _Tiny(nn.Module):
 
 
 @pytest.mark.parametrize("dtype, winner", [(torch.float32, "onednn"), (torch.float32, "aten"),
-                                           (torch.bfloat16, "upcast")])
+                                           (torch.bfloat16, "upcast"), (torch.bfloat16, "lmi")])
 def test_the_measured_fastest_kernel_replaces_every_linear(dtype, winner) -> None:
     model = _Tiny(dtype)
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1)).to(dtype)
@@ -96,7 +116,7 @@ def test_the_measured_fastest_kernel_replaces_every_linear(dtype, winner) -> Non
 
     [(kind, name, times, shape)] = choose_cpu_linear(model, dtype, "auto", rows=16, timer=timer)
     assert (kind, name, shape) == ("dense", winner, (128, 64))
-    assert set(times) == ({"aten", "onednn", "upcast"} if dtype == torch.bfloat16 else {"aten", "onednn"})
+    assert set(times) == {"aten", "onednn", "lmi"} | ({"upcast"} if dtype == torch.bfloat16 else set())
     assert set(measured_rows) == {1, 16}
     for m in (model.up, model.down, model.lm_head):
         assert getattr(m.weight, "method", "aten") == winner
@@ -127,7 +147,7 @@ def test_quantised_linears_and_the_dense_lm_head_are_chosen_apart() -> None:
     assert model.up.weight.scales.dtype == torch.bfloat16 and model.lm_head.weight.method == "onednn"
 
 
-@pytest.mark.parametrize("kernel", ["aten", "onednn"])
+@pytest.mark.parametrize("kernel", ["aten", "onednn", "lmi"])
 def test_paged_engine_greedy_equals_hf_with_each_fp32_kernel(tiny_model, kernel) -> None:
     from engines.sampling_params import SamplingParams
 
@@ -148,12 +168,12 @@ def test_paged_engine_bf16_tokens_are_the_same_with_each_kernel(tiny_model) -> N
 
     prompts = [[5, 17, 42, 8, 99], [7, 300, 12], list(range(20, 44))]
     tokens = {}
-    for kernel in ("aten", "onednn", "upcast"):
+    for kernel in ("aten", "onednn", "upcast", "lmi"):
         engine = local_engine(tiny_model, "paged", dtype="bf16", cpu_linear=kernel)
         outputs = drive_engine(engine, [(f"r{i}", p, SamplingParams(max_new_tokens=10, ignore_eos=True))
                                         for i, p in enumerate(prompts)])
         tokens[kernel] = [output_tokens(outputs[f"r{i}"]) for i in range(len(prompts))]
-    assert tokens["onednn"] == tokens["aten"] == tokens["upcast"]
+    assert tokens["onednn"] == tokens["aten"] == tokens["upcast"] == tokens["lmi"]
 
 
 # int8_dynamic: cpu_qlinear's kernel against torch._int_mm's path (the same arithmetic, so the same bits)

@@ -87,22 +87,22 @@ class BuildError(Exception):
     """Why a kernel cannot be built here, in one sentence."""
 
 
-def cached_build(source: Path, what: str) -> Path:
-    """The shared object of `source` for this compiler and CPU: built here unless cached (`what` names
-    it in the log). BuildError when it cannot be."""
+def cached_build(source: Path, what: str, extra_flags: tuple[str, ...] = ()) -> Path:
+    """The shared object of `source` for this compiler and CPU (and `extra_flags` after FLAGS): built here
+    unless cached (`what` names it in the log). BuildError when it cannot be."""
     cc = compiler()
     if cc is None:
         raise BuildError("no C compiler (cc or gcc) on PATH")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     texts = [source.read_text(), HEADER.read_text()]  # the kernel and what it includes
     flags = " ".join(sorted(cpu_flags()))
-    key = hashlib.sha256("\0".join([*texts, " ".join(FLAGS), version, flags]).encode()).hexdigest()
+    key = hashlib.sha256("\0".join([*texts, " ".join(FLAGS + extra_flags), version, flags]).encode()).hexdigest()
     errors = []
     for directory in _cache_dirs():
         target = directory / f"{source.stem}-{key[:16]}.so"
         try:
             if not target.exists():
-                build(cc, target, source=source)
+                build(cc, target, extra_flags, source=source)
                 log.info("built the %s: %s", what, target)
             return target
         except subprocess.CalledProcessError as e:  # the source or the flags: no other directory helps
@@ -123,6 +123,15 @@ def load() -> ctypes.CDLL | None:
         return None
 
 
+def named_call(name: str, call):
+    """call() — a foreign (ctypes) call — named `name` for torch.profiler while it records; unnamed
+    otherwise (the record costs as much as a small kernel)."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        with torch.profiler.record_function(name):
+            return call()
+    return call()
+
+
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                  context_lens: torch.Tensor, opts, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """q: [B, Hq, D] (last dim contiguous), caches [Hkv, num_blocks, block_size, D] contiguous, in q's
@@ -137,11 +146,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     b, hq, d = q.shape
     hkv, num_blocks, block_size, _ = k_cache.shape
     out = torch.empty((b, hq, d), dtype=q.dtype)
-    with torch.profiler.record_function("lmi::cpu_paged_decode"):  # a foreign call: named for torch.profiler
-        failed = fn(q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
-                    block_table.data_ptr(), block_table.stride(0), context_lens.data_ptr(), out.data_ptr(), b, hq, hkv,
-                    d, num_blocks, block_size, opts.scale, opts.window or 0, opts.softcap or 0.0,
-                    torch.get_num_threads())
+    failed = named_call("lmi::cpu_paged_decode", lambda: fn(
+        q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(),
+        block_table.stride(0), context_lens.data_ptr(), out.data_ptr(), b, hq, hkv, d, num_blocks, block_size,
+        opts.scale, opts.window or 0, opts.softcap or 0.0, torch.get_num_threads()))
     if failed:
         raise MemoryError("the CPU paged decode kernel could not allocate its scratch memory")
     return out

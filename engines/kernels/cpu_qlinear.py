@@ -80,11 +80,7 @@ def linear(x: torch.Tensor, packed: PackedInt8, scales: torch.Tensor, lib: ctype
         (lib or load()).lmi_qlinear_s8, x.data_ptr(), x.stride(0), int(x.dtype == torch.bfloat16), rows,
         packed.in_features, packed.rows.data_ptr(), packed.wsum.data_ptr(), scales.data_ptr(), packed.rows.shape[1],
         out_features, y.data_ptr(), out_features, torch.get_num_threads())
-    if torch.autograd.profiler._is_profiler_enabled:  # a foreign call: named for torch.profiler (only then:
-        with torch.profiler.record_function("lmi::cpu_qlinear_s8"):  # the record costs as much as a small call)
-            failed = call()
-    else:
-        failed = call()
+    failed = cpu_attention.named_call("lmi::cpu_qlinear_s8", call)
     if failed:
         raise MemoryError("the CPU int8 linear kernel could not allocate its scratch memory")
     return y
@@ -130,11 +126,7 @@ def w4a8(x: torch.Tensor, packed: PackedInt4, lib: ctypes.CDLL | None = None) ->
         (lib or load()).lmi_qlinear_w4a8, x.data_ptr(), x.stride(0), int(x.dtype == torch.bfloat16), rows,
         packed.in_features, packed.nibbles.data_ptr(), packed.s.data_ptr(), packed.c.data_ptr(),
         packed.nibbles.shape[1] * 2, out_features, y.data_ptr(), out_features, torch.get_num_threads())
-    if torch.autograd.profiler._is_profiler_enabled:
-        with torch.profiler.record_function("lmi::cpu_qlinear_w4a8"):
-            failed = call()
-    else:
-        failed = call()
+    failed = cpu_attention.named_call("lmi::cpu_qlinear_w4a8", call)
     if failed:
         raise MemoryError("the CPU int4 linear kernel could not allocate its scratch memory")
     return y

@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from engines.kernels import cpu_qlinear
+from engines.kernels import cpu_gemm, cpu_qlinear
 from engines.layers.linear import ColumnParallelLinear, RowParallelLinear
 from engines.layers.quant import Int4A8Weight
 
@@ -65,6 +65,24 @@ class UpcastWeight(nn.Module):
         return nn.functional.linear(x.float(), self.weight.float()).to(x.dtype)
 
 
+class GemmWeight(nn.Module):
+    """A dense weight multiplied by our C kernel (engines/kernels/cpu_gemm.c: memory-speed at one row),
+    the weight kept as it is (the same parameter, no copy); F.linear when compiled."""
+
+    method = "lmi"
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling() or x.dtype != self.weight.dtype:
+            return nn.functional.linear(x, self.weight)
+        y = cpu_gemm.gemm(x.reshape(-1, self.in_features), self.weight)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
 @dataclass(frozen=True)
 class Candidate:
     name: str
@@ -80,6 +98,8 @@ def candidates(weight: torch.Tensor | nn.Module, dtype: torch.dtype) -> list[Can
             out.append(Candidate("onednn", OneDnnWeight))
         if dtype == torch.bfloat16:
             out.append(Candidate("upcast", UpcastWeight))
+        if dtype in cpu_gemm.DTYPES and cpu_gemm.load() is not None:
+            out.append(Candidate("lmi", GemmWeight))
         return out
     if method in ("int8", "int4"):
         out = [Candidate("native", lambda w: w.compute_in(dtype))]

@@ -79,9 +79,8 @@ class ModelRunner:
                 self._load_adapters()
             if self.device.type == "cpu":
                 self._choose_cpu_linear()
-            FusedOps.use_triton(self.device.type == "cuda" and triton_runs(self.device))
             log.info("fused ops (residual add + RMSNorm, rotary, SiLU x mul): %s",
-                     "Triton kernels" if FusedOps.is_triton() else "PyTorch")
+                     FusedOps.select(self.device.type, self.device.type == "cuda" and triton_runs(self.device)))
         elif cfg.enable_lora:
             raise ValueError(f"option.enable_lora=true applies adapters to our model code, and {spec.architecture} "
                              "runs on the transformers fallback")
