@@ -9,13 +9,13 @@
    Columns are spread over OpenMP threads. Arithmetic, everything summed in float32:
 
      bf16   vdpbf16ps (AVX512-BF16): pairs of bf16 products into float32 lanes; bf16 activations
-     f32    vfmadd (AVX-512F) on float32 activations and weights
+     f32    vfmadd (AVX-512F, or AVX2 + FMA eight lanes wide) on float32 activations and weights
 
    and the lanes summed at the end of each row, y rounded to the activations' dtype (bf16: to nearest
    even). Without those instructions the same loops run in plain C. */
 #include <stdint.h>
 #include <string.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -28,6 +28,14 @@
 #endif
 
 /* --- float32 ------------------------------------------------------------------------------------ */
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+INLINE float hsum256(__m256 v) {
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+#endif
 
 INLINE void f32_tile(const float *x, int64_t x_stride, const float *w, int64_t k_len, int rows, int cols,
                      float sums[TILE][TILE]) {
@@ -58,6 +66,29 @@ INLINE void f32_tile(const float *x, int64_t x_stride, const float *w, int64_t k
     for (int i = 0; i < rows; i++)
         for (int j = 0; j < cols; j++)
             sums[i][j] = _mm512_reduce_add_ps(acc[i][j]);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 acc[TILE][TILE];
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < cols; j++)
+            acc[i][j] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= k_len; k += 8) {
+        __m256 wv[TILE];
+        for (int j = 0; j < cols; j++)
+            wv[j] = _mm256_loadu_ps(w + j * k_len + k);
+        for (int i = 0; i < rows; i++) {
+            const __m256 xv = _mm256_loadu_ps(x + i * x_stride + k);
+            for (int j = 0; j < cols; j++)
+                acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+        }
+    }
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < cols; j++) {
+            float s = hsum256(acc[i][j]);
+            for (int64_t t = k; t < k_len; t++)  /* the tail */
+                s += x[i * x_stride + t] * w[j * k_len + t];
+            sums[i][j] = s;
+        }
 #else
     for (int i = 0; i < rows; i++)
         for (int j = 0; j < cols; j++) {
@@ -127,6 +158,18 @@ INLINE float f32_row(const float *x, const float *w, int64_t k_len) {
         a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, x + k), _mm512_maskz_loadu_ps(m, w + k), a0);
     }
     return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= k_len; k += 16) {
+        _mm_prefetch((const char *)(w + k + 256), _MM_HINT_T0);
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), _mm256_loadu_ps(w + k), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), _mm256_loadu_ps(w + k + 8), a1);
+    }
+    float s = hsum256(_mm256_add_ps(a0, a1));
+    for (; k < k_len; k++)
+        s += x[k] * w[k];
+    return s;
 #else
     float sums[TILE][TILE];
     f32_tile(x, 0, w, k_len, 1, 1, sums);

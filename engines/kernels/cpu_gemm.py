@@ -14,6 +14,7 @@ import logging
 import torch
 
 from engines.kernels import cpu_attention
+from engines.precision import cpu_flags
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +28,15 @@ def bind(path) -> ctypes.CDLL:
     lib.lmi_gemm.argtypes = [_P, _I, _P, _I, _I, _I, _P, _I, ctypes.c_int, ctypes.c_int]
     lib.lmi_gemm.restype = None
     return lib
+
+
+def vectorised_here(dtype: torch.dtype) -> bool:
+    """Whether this CPU runs the kernel's vector loops for `dtype` (float32: AVX-512F, or AVX2 with FMA;
+    bf16: AVX512-BF16); elsewhere it runs plain C loops, correct but no candidate for speed."""
+    flags = cpu_flags()
+    if dtype == torch.bfloat16:
+        return "avx512_bf16" in flags
+    return dtype == torch.float32 and ("avx512f" in flags or {"avx2", "fma"} <= flags)
 
 
 @functools.cache

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from engines.kernels import cpu_attention
+from engines.precision import cpu_flags
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,12 @@ def bind(path) -> ctypes.CDLL:
                    ctypes.c_int]
     fn.restype = ctypes.c_int
     return lib
+
+
+def vnni_here() -> bool:
+    """Whether this CPU runs the kernels' VNNI loops (AVX-512 VNNI and BW); elsewhere they run plain C
+    loops, correct but no candidate for speed."""
+    return {"avx512_vnni", "avx512bw"} <= cpu_flags()
 
 
 @functools.cache

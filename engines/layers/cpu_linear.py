@@ -98,14 +98,15 @@ def candidates(weight: torch.Tensor | nn.Module, dtype: torch.dtype) -> list[Can
             out.append(Candidate("onednn", OneDnnWeight))
         if dtype == torch.bfloat16:
             out.append(Candidate("upcast", UpcastWeight))
-        if dtype in cpu_gemm.DTYPES and cpu_gemm.load() is not None:
+        if dtype in cpu_gemm.DTYPES and cpu_gemm.vectorised_here(dtype) and cpu_gemm.load() is not None:
             out.append(Candidate("lmi", GemmWeight))
         return out
     if method in ("int8", "int4"):
         out = [Candidate("native", lambda w: w.compute_in(dtype))]
         if dtype != torch.bfloat16:
             out.append(Candidate("bf16", lambda w: w.compute_in(torch.bfloat16)))
-        if getattr(weight, "w4a8", None) is not None and dtype in cpu_qlinear.DTYPES and cpu_qlinear.load():
+        if getattr(weight, "w4a8", None) is not None and dtype in cpu_qlinear.DTYPES and cpu_qlinear.vnni_here() \
+                and cpu_qlinear.load():
             out.append(Candidate("w4a8", Int4A8Weight))
         return out
     return []  # int8_dynamic (chosen by row count: _choose_int8_rows), fp8 (CUDA): one kernel each
@@ -200,8 +201,8 @@ def choose_cpu_linear(model: nn.Module, dtype: torch.dtype, policy: str = "auto"
 
 def int8_kernel_runs(weight: nn.Module, dtype: torch.dtype) -> bool:
     """Whether cpu_qlinear's int8 kernel can take this int8_dynamic weight's calls (per-row activation
-    scales, float32/bf16 activations, the kernel built here)."""
-    return weight.per_row and dtype in cpu_qlinear.DTYPES and cpu_qlinear.load() is not None
+    scales, float32/bf16 activations, AVX-512 VNNI, the kernel built here)."""
+    return weight.per_row and dtype in cpu_qlinear.DTYPES and cpu_qlinear.vnni_here() and cpu_qlinear.load() is not None
 
 
 def _choose_int8_rows(mods: list[nn.Module], widest: nn.Module, dtype: torch.dtype, timer) \
