@@ -2,7 +2,8 @@
 paged server at the host's default dtype, fp32, bf16, int8_dynamic and int4; llama.cpp's own server
 (continuous batching) on GGUFs in f32, bf16, Q8_0 and Q4_0; Hugging Face `generate` and CTranslate2
 (offline, one batch: no scheduling). Two loads: `clients` concurrent clients (generated tok/s), and
-one client at a time (ms per generated token: what an interactive user feels).
+one client at a time (ms per generated token: what an interactive user feels). Every server is
+asked the same way: whole answers, not streamed.
 
     python -m benchmarks.peers --model-dir models/small --llama-cpp /path/to/llama.cpp \
         --rounds 3 --out benchmarks/results/peers_small.json
@@ -60,9 +61,11 @@ def workload(model_dir: str, clients: int, prompt: int, seed: int = 0) -> list[l
 
 # -- our servers ------------------------------------------------------------------------------------
 def lmi_run(server: BenchServer, prompts: list[list[int]], new: int, tok: TextTokenizer) -> float:
+    """Generated tok/s with every prompt sent at once, each answered whole (not streamed), as llama.cpp's
+    server is asked (LlamaCppServer.run): the same request shape for both."""
     bodies = [{"inputs": tok.decode(p), "parameters": {"max_new_tokens": new, "ignore_eos": True, "details": True}}
               for p in prompts]
-    wall, results, errors, _ = run_load(server, bodies, len(bodies), None, 0)
+    wall, results, errors, _ = run_load(server, bodies, len(bodies), None, 0, stream=False)
     if errors:
         raise RuntimeError(f"{errors} requests failed on {server.name}")
     return sum(r.num_tokens for r in results) / wall
