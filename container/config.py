@@ -333,9 +333,10 @@ def build(cfg: ResolvedConfig, *, local_dir: str, spec: ModelSpec | None,
     check_kv_cache_dtype(cfg, kind)
     check_lora(cfg, kind, fallback)
     cpu_linear = cfg["option.cpu_linear"]
-    if cfg["option.cpu_compile"] and cpu_linear == "onednn":
-        raise ConfigError("option.cpu_linear=onednn with option.cpu_compile=true: inductor cannot trace oneDNN's "
-                          "packed weights; unset option.cpu_linear (aten under compile) or option.cpu_compile")
+    if cfg["option.cpu_compile"] and cpu_linear in ("onednn", "lmi"):
+        raise ConfigError(f"option.cpu_linear={cpu_linear} with option.cpu_compile=true: inductor cannot trace "
+                          f"{'oneDNN' if cpu_linear == 'onednn' else 'our kernel'}'s packed weights; unset "
+                          "option.cpu_linear (aten under compile) or option.cpu_compile")
     model = ModelConfig(local_dir=local_dir, model_id=cfg["option.model_id"], revision=cfg["option.revision"],
                         dtype=dtype.dtype, dtype_why=dtype.why, trust_remote_code=cfg["option.trust_remote_code"],
                         cpu_linear="aten" if cfg["option.cpu_compile"] and cpu_linear == "auto" else cpu_linear,

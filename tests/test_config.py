@@ -350,6 +350,8 @@ CASES = [
          fields={"model.cpu_linear": "aten"}),
     case("cpu-linear-onednn-under-compile", {"option.cpu_compile": "true", "option.cpu_linear": "onednn"}, {},
          build=CPU2, error=["option.cpu_linear=onednn with option.cpu_compile=true", "inductor"]),
+    case("cpu-linear-lmi-under-compile", {"option.cpu_compile": "true", "option.cpu_linear": "lmi"}, {},
+         build=CPU2, error=["option.cpu_linear=lmi with option.cpu_compile=true", "our kernel's packed weights"]),
     case("build-avx2-cpu-int8", {"option.quantize": "int8"}, {}, build=AVX2_CPU2, fields={"model.dtype": "fp32"}),
     case("build-explicit-dtype", {"option.dtype": "fp32"}, {}, build=GPU1, fields={"model.dtype": "fp32"}),
     case("build-scheduler-fields",

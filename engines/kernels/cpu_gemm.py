@@ -1,8 +1,10 @@
-"""The CPU dense linear kernel (cpu_gemm.c: float32 or bf16 weights as they are, memory-speed at one
-row), built and cached as the CPU attention kernel is (cpu_attention.cached_build) and called through
-ctypes; one of the candidates engines/layers/cpu_linear.py measures at load.
+"""The CPU dense linear kernel (cpu_gemm.c: float32 or bf16 weights packed once in blocks of 32 output
+columns, memory speed at one row), built and cached as the CPU attention kernel is
+(cpu_attention.cached_build) and called through ctypes; one of the candidates engines/layers/cpu_linear.py
+measures at load.
 
-    y = gemm(x, w)      # x [rows, in], w [out, in] contiguous, both float32 or both bf16 → [rows, out]
+    packed = pack(w)                          # w [out, in] float32 or bf16
+    y = gemm_packed(x, packed, out_features)  # x [rows, in] in w's dtype → [rows, out]
 """
 
 from __future__ import annotations
@@ -25,14 +27,20 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 def bind(path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
-    lib.lmi_gemm.argtypes = [_P, _I, _P, _I, _I, _I, _P, _I, ctypes.c_int, ctypes.c_int]
-    lib.lmi_gemm.restype = None
+    lib.lmi_pack_bf16.argtypes = [_P, _I, _I, _P]
+    lib.lmi_pack_bf16.restype = None
+    lib.lmi_gemm_packed_bf16.argtypes = [_P, _I, _P, _I, _I, _I, _P, _I, ctypes.c_int]
+    lib.lmi_gemm_packed_bf16.restype = ctypes.c_int
+    lib.lmi_pack_f32.argtypes = [_P, _I, _I, _P]
+    lib.lmi_pack_f32.restype = None
+    lib.lmi_gemm_packed_f32.argtypes = [_P, _I, _P, _I, _I, _I, _P, _I, ctypes.c_int]
+    lib.lmi_gemm_packed_f32.restype = ctypes.c_int
     return lib
 
 
 def vectorised_here(dtype: torch.dtype) -> bool:
-    """Whether this CPU runs the kernel's vector loops for `dtype` (float32: AVX-512F, or AVX2 with FMA;
-    bf16: AVX512-BF16); elsewhere it runs plain C loops, correct but no candidate for speed."""
+    """Whether this CPU has the kernel's instructions for `dtype` (float32: AVX-512F, or AVX2 with FMA;
+    bf16: AVX512-BF16); elsewhere it is no candidate."""
     flags = cpu_flags()
     if dtype == torch.bfloat16:
         return "avx512_bf16" in flags
@@ -49,14 +57,37 @@ def load() -> ctypes.CDLL | None:
         return None
 
 
-def gemm(x: torch.Tensor, w: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """x [rows, in] (last dim contiguous) times w [out, in] (contiguous, x's dtype) transposed → [rows, out];
-    lib: another build (tests)."""
+PACK_COLS = 32  # output columns per packed block (cpu_gemm.c)
+
+
+def pack(w: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """w [out, in] (float32 or bf16) → the layout gemm_packed reads, in blocks of 32 output columns:
+    float32 [out / 32, in, 32], bf16 [out / 32, in / 2, 32, 2] (input pairs side by side for vdpbf16ps),
+    rounded up with zeros."""
+    w = w.contiguous()
+    n, k = w.shape
+    blocks = -(-n // PACK_COLS)
+    lib = lib or load()
+    if w.dtype == torch.bfloat16:
+        packed = torch.empty(blocks, -(-k // 2), PACK_COLS, 2, dtype=torch.bfloat16)
+        lib.lmi_pack_bf16(w.data_ptr(), n, k, packed.data_ptr())
+    else:
+        packed = torch.empty(blocks, k, PACK_COLS, dtype=torch.float32)
+        lib.lmi_pack_f32(w.data_ptr(), n, k, packed.data_ptr())
+    return packed
+
+
+def gemm_packed(x: torch.Tensor, packed: torch.Tensor, out_features: int, lib: ctypes.CDLL | None = None) \
+        -> torch.Tensor:
+    """x [rows, in] (last dim contiguous, the packed weight's dtype) times the packed weight → [rows, out]."""
     if x.stride(-1) != 1:
         x = x.contiguous()
-    rows, out_features = x.shape[0], w.shape[0]
+    rows = x.shape[0]
     y = torch.empty(rows, out_features, dtype=x.dtype)
-    cpu_attention.named_call("lmi::cpu_gemm", lambda: (lib or load()).lmi_gemm(
-        x.data_ptr(), x.stride(0), w.data_ptr(), rows, x.shape[1], out_features, y.data_ptr(), out_features,
-        int(x.dtype == torch.bfloat16), torch.get_num_threads()))
+    fn = (lib or load()).lmi_gemm_packed_bf16 if x.dtype == torch.bfloat16 else (lib or load()).lmi_gemm_packed_f32
+    failed = cpu_attention.named_call("lmi::cpu_gemm_packed", lambda: fn(
+        x.data_ptr(), x.stride(0), packed.data_ptr(), rows, x.shape[1], out_features, y.data_ptr(), out_features,
+        torch.get_num_threads()))
+    if failed:
+        raise RuntimeError(f"the packed {x.dtype} kernel was built without its vector instructions")
     return y

@@ -66,20 +66,19 @@ class UpcastWeight(nn.Module):
 
 
 class GemmWeight(nn.Module):
-    """A dense weight multiplied by our C kernel (engines/kernels/cpu_gemm.c: memory-speed at one row),
-    the weight kept as it is (the same parameter, no copy); F.linear when compiled."""
+    """A dense weight packed once for our C kernel (engines/kernels/cpu_gemm.c: blocks of 32 output
+    columns, memory speed at one row); an opaque layout, as oneDNN's (eager only)."""
 
     method = "lmi"
 
     def __init__(self, weight: torch.Tensor):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+        self.packed = cpu_gemm.pack(weight)
+        self.packed_bytes = self.packed.numel() * self.packed.element_size()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling() or x.dtype != self.weight.dtype:
-            return nn.functional.linear(x, self.weight)
-        y = cpu_gemm.gemm(x.reshape(-1, self.in_features), self.weight)
+        y = cpu_gemm.gemm_packed(x.reshape(-1, self.in_features), self.packed, self.out_features)
         return y.view(*x.shape[:-1], self.out_features)
 
 

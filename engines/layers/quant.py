@@ -144,9 +144,11 @@ class Int4Weight(nn.Module):
         return self
 
     def _keep_w4a8(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
-        """On CPU, the same groups also in cpu_qlinear's W4A8 layout (`w4a8`), for engines/layers/cpu_linear.py
-        to measure against PyTorch's kernel; the layout not chosen is dropped then (drop_w4a8)."""
-        self.w4a8 = cpu_qlinear.pack_int4(q, scales, zeros) if q.device.type == "cpu" else None
+        """On CPUs with AVX-512 VNNI, the same groups also in cpu_qlinear's W4A8 layout (`w4a8`), for
+        engines/layers/cpu_linear.py to measure against PyTorch's kernel; the layout not chosen is dropped
+        then (drop_w4a8)."""
+        self.w4a8 = cpu_qlinear.pack_int4(q, scales, zeros) if q.device.type == "cpu" and cpu_qlinear.vnni_here() \
+            else None
 
     def drop_w4a8(self) -> None:
         self.w4a8 = None
