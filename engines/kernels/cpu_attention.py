@@ -112,6 +112,16 @@ def cached_build(source: Path, what: str, extra_flags: tuple[str, ...] = ()) -> 
     raise BuildError("; ".join(errors))
 
 
+def load_or_warn(source: Path, what: str, bind_fn, instead: str, extra_flags: tuple[str, ...] = ()):
+    """bind_fn(the built `source`), or None — logged once, naming `what` and what runs `instead` — when
+    it cannot be built here (the CPU kernels' `load`)."""
+    try:
+        return bind_fn(cached_build(source, what, extra_flags))
+    except (BuildError, OSError) as e:
+        log.warning("the %s did not build (%s): %s", what, e, instead)
+        return None
+
+
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The kernel, built here if no build of this source, compiler and CPU is cached; None (logged once,

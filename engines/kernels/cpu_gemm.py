@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 
 import torch
 
 from engines.kernels import cpu_attention
 from engines.precision import cpu_flags
 
-log = logging.getLogger(__name__)
 
 SOURCE = cpu_attention.SOURCE.with_name("cpu_gemm.c")
 DTYPES = (torch.float32, torch.bfloat16)
@@ -50,11 +48,7 @@ def vectorised_here(dtype: torch.dtype) -> bool:
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The kernel, or None (logged once: PyTorch's kernels only) when it cannot be built here."""
-    try:
-        return bind(cpu_attention.cached_build(SOURCE, "CPU dense linear kernel"))
-    except (cpu_attention.BuildError, OSError) as e:
-        log.warning("the CPU dense linear kernel did not build (%s): PyTorch's kernels only", e)
-        return None
+    return cpu_attention.load_or_warn(SOURCE, "CPU dense linear kernel", bind, "PyTorch's kernels only")
 
 
 PACK_COLS = 32  # output columns per packed block (cpu_gemm.c)

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 
 import torch
 
 from engines.kernels import cpu_attention
 
-log = logging.getLogger(__name__)
 
 SOURCE = cpu_attention.SOURCE.with_name("cpu_lora.c")
 DTYPES = {torch.float32: "lmi_lora_sgmv_f32", torch.bfloat16: "lmi_lora_sgmv_bf16"}
@@ -35,11 +33,7 @@ def bind(path) -> ctypes.CDLL:
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The kernel, or None (logged once: the torch form runs) when it cannot be built here."""
-    try:
-        return bind(cpu_attention.cached_build(SOURCE, "CPU LoRA kernel"))
-    except (cpu_attention.BuildError, OSError) as e:
-        log.warning("the CPU LoRA kernel did not build (%s): LoRA deltas run as batched matmuls", e)
-        return None
+    return cpu_attention.load_or_warn(SOURCE, "CPU LoRA kernel", bind, "LoRA deltas run as batched matmuls")
 
 
 def runs(x: torch.Tensor, y: torch.Tensor) -> bool:

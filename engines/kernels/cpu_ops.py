@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 
 import torch
 
 from engines.kernels import cpu_attention, torch_ops
 from engines.kernels.torch_ops import gelu_tanh_and_mul, rotary_tables, silu_and_mul  # noqa: F401 (the module's interface)
 
-log = logging.getLogger(__name__)
 
 SOURCE = cpu_attention.SOURCE.with_name("cpu_ops.c")
 DTYPES = (torch.float32, torch.bfloat16)
@@ -38,11 +36,8 @@ def bind(path) -> ctypes.CDLL:
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The kernels, or None (logged once: the PyTorch twins run) when they cannot be built here."""
-    try:
-        return bind(cpu_attention.cached_build(SOURCE, "CPU fused ops", extra_flags=("-ffp-contract=off",)))
-    except (cpu_attention.BuildError, OSError) as e:
-        log.warning("the CPU fused ops did not build (%s): the norms and rotary run as PyTorch ops", e)
-        return None
+    return cpu_attention.load_or_warn(SOURCE, "CPU fused ops", bind, "the norms and rotary run as PyTorch ops",
+                                      ("-ffp-contract=off",))
 
 
 def _eager(*tensors: torch.Tensor) -> bool:

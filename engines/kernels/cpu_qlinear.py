@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +19,6 @@ import torch
 from engines.kernels import cpu_attention
 from engines.precision import cpu_flags
 
-log = logging.getLogger(__name__)
 
 SOURCE = cpu_attention.SOURCE.with_name("cpu_qlinear.c")
 ALIGN = 64  # bytes of K per vpdpbusd step: weight rows are padded to a multiple
@@ -50,12 +48,9 @@ def vnni_here() -> bool:
 
 @functools.cache
 def load() -> ctypes.CDLL | None:
-    """The kernel, or None (logged once: torch._int_mm runs) when it cannot be built here."""
-    try:
-        return bind(cpu_attention.cached_build(SOURCE, "CPU int8 linear kernel"))
-    except (cpu_attention.BuildError, OSError) as e:
-        log.warning("the CPU int8 linear kernel did not build (%s): int8_dynamic multiplies with torch._int_mm", e)
-        return None
+    """The kernels, or None (logged once: PyTorch's run) when they cannot be built here."""
+    return cpu_attention.load_or_warn(SOURCE, "CPU int8 linear kernels", bind,
+                                      "int8_dynamic multiplies with torch._int_mm, int4 with PyTorch's kernel")
 
 
 @dataclass(frozen=True)
@@ -79,17 +74,21 @@ def pack(q: torch.Tensor) -> PackedInt8:
 def linear(x: torch.Tensor, packed: PackedInt8, scales: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """x [rows, in] (float32 or bf16, last dim contiguous) → [rows, out] in x's dtype; scales [out]
     float32, contiguous; lib: another build (tests)."""
+    return _run("lmi_qlinear_s8", x, packed.rows.shape[0], lib, packed.in_features, packed.rows.data_ptr(),
+                packed.wsum.data_ptr(), scales.data_ptr(), packed.rows.shape[1])
+
+
+def _run(name: str, x: torch.Tensor, out_features: int, lib: ctypes.CDLL | None, *weight_args) -> torch.Tensor:
+    """One of the kernels on x [rows, in] → a new [rows, out_features] in x's dtype; weight_args: what the
+    kernel takes between the activations and the output."""
     if x.stride(-1) != 1:
         x = x.contiguous()
-    rows, out_features = x.shape[0], packed.rows.shape[0]
-    y = torch.empty(rows, out_features, dtype=x.dtype)
-    call = functools.partial(
-        (lib or load()).lmi_qlinear_s8, x.data_ptr(), x.stride(0), int(x.dtype == torch.bfloat16), rows,
-        packed.in_features, packed.rows.data_ptr(), packed.wsum.data_ptr(), scales.data_ptr(), packed.rows.shape[1],
-        out_features, y.data_ptr(), out_features, torch.get_num_threads())
-    failed = cpu_attention.named_call("lmi::cpu_qlinear_s8", call)
+    y = torch.empty(x.shape[0], out_features, dtype=x.dtype)
+    failed = cpu_attention.named_call(f"lmi::cpu_{name[4:]}", lambda: getattr(lib or load(), name)(
+        x.data_ptr(), x.stride(0), int(x.dtype == torch.bfloat16), x.shape[0], *weight_args, out_features,
+        y.data_ptr(), out_features, torch.get_num_threads()))
     if failed:
-        raise MemoryError("the CPU int8 linear kernel could not allocate its scratch memory")
+        raise MemoryError(f"the CPU int8 kernel {name} could not allocate its scratch memory")
     return y
 
 
@@ -125,18 +124,8 @@ def pack_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> Pac
 def w4a8(x: torch.Tensor, packed: PackedInt4, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """x [rows, in] (float32 or bf16, last dim contiguous) → [rows, out] in x's dtype: the int4 weight times
     x quantised to int8 per row (cpu_qlinear.c); lib: another build (tests)."""
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    rows, out_features = x.shape[0], packed.nibbles.shape[0]
-    y = torch.empty(rows, out_features, dtype=x.dtype)
-    call = functools.partial(
-        (lib or load()).lmi_qlinear_w4a8, x.data_ptr(), x.stride(0), int(x.dtype == torch.bfloat16), rows,
-        packed.in_features, packed.nibbles.data_ptr(), packed.s.data_ptr(), packed.c.data_ptr(),
-        packed.nibbles.shape[1] * 2, out_features, y.data_ptr(), out_features, torch.get_num_threads())
-    failed = cpu_attention.named_call("lmi::cpu_qlinear_w4a8", call)
-    if failed:
-        raise MemoryError("the CPU int4 linear kernel could not allocate its scratch memory")
-    return y
+    return _run("lmi_qlinear_w4a8", x, packed.nibbles.shape[0], lib, packed.in_features, packed.nibbles.data_ptr(),
+                packed.s.data_ptr(), packed.c.data_ptr(), packed.nibbles.shape[1] * 2)
 
 
 def w4a8_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
