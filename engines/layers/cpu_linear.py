@@ -14,12 +14,15 @@ times relative to the best at each is used for every linear of the model.
       onednn   the weight reordered once into oneDNN's layout, torch.ops.mkldnn._linear_pointwise
       upcast   bf16 only: the weight converted to float32 as it is used (CPUs without native bf16,
                where oneDNN's bf16 GEMM runs at a third of float32's speed)
+      lmi      ours (engines/kernels/cpu_gemm.c): packed once in blocks of 32 output columns
     weight-only int8 / int4 (option.quantize)
       native   PyTorch's packed kernel on activations in the model dtype
       bf16     activations cast to bf16 for the kernel, the result back (the kernels' fast path)
+      w4a8     int4 only, ours (engines/kernels/cpu_qlinear.c): activations quantised to int8 per row
+    int8_dynamic: ours (cpu_qlinear.c) or torch._int_mm, by row count (the same bits: _choose_int8_rows)
 
-`option.cpu_linear` names one of them instead of measuring (`aten` under option.cpu_compile:
-inductor cannot trace oneDNN's opaque packed weights). Each kernel is a module that takes the
+Ours are offered only where their vector instructions are. `option.cpu_linear` names a dense kernel
+instead of measuring (`aten` under option.cpu_compile: inductor cannot trace packed opaque weights). Each kernel is a module that takes the
 weight's place (`engines.layers.linear.linear` calls it), as option.quantize's packed weights do.
 """
 
