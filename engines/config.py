@@ -133,6 +133,14 @@ class LmiConfig(msgspec.Struct, frozen=True):
             return cls.from_json(f.read())
 
 
+def runner_model(config: LmiConfig) -> ModelConfig:
+    """The model config every rank's runner loads: `cpu_linear` auto is aten under option.cpu_compile
+    (inductor cannot trace the packed kernels' opaque weights; the launcher resolves it so too)."""
+    if config.scheduler.cpu_compile and config.model.cpu_linear == "auto":
+        return msgspec.structs.replace(config.model, cpu_linear="aten")
+    return config.model
+
+
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
           "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}

@@ -80,6 +80,9 @@ class Communicator(Protocol):
     def receive_step(self) -> bytes:
         """Ranks > 0: the next plan from rank 0 (STOP to exit)."""
 
+    def close(self) -> None:
+        """Before the process exits: end what runs beside the interpreter (torch.distributed's groups)."""
+
 
 class SingleProcess:
     rank = 0
@@ -110,6 +113,9 @@ class SingleProcess:
 
     def receive_step(self) -> bytes:
         raise RuntimeError("a single process has no rank 0 to wait for")
+
+    def close(self) -> None:
+        pass
 
 
 class MpiCommunicator:
@@ -183,6 +189,9 @@ class MpiCommunicator:
         self.comm.Ibcast(size, root=0).Wait()
         if data:
             self.comm.Bcast(np.frombuffer(data, dtype=np.uint8).copy(), root=0)
+
+    def close(self) -> None:
+        pass  # mpi4py finalises MPI itself at exit
 
     def receive_step(self) -> bytes:
         import numpy as np
@@ -275,6 +284,13 @@ class TorchDistCommunicator:
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         self._dist.all_reduce(tensor, group=self.group)
         return tensor
+
+    def close(self) -> None:
+        """Destroy the process groups (their worker threads joined): a gloo thread left running at exit
+        can touch a Python object while the interpreter finalises and abort the process (seen once in
+        three suite runs: `terminate called without an active exception` in ProcessGroupGloo::runLoop)."""
+        if self._dist.is_initialized():
+            self._dist.destroy_process_group()
 
     def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)]

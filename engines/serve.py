@@ -16,7 +16,7 @@ import threading
 
 import msgspec
 
-from engines.config import ENGINE_DYNAMIC, ENGINE_HANDLER, ENGINE_PAGED, ENGINE_ROLLING, LmiConfig
+from engines.config import ENGINE_DYNAMIC, ENGINE_HANDLER, ENGINE_PAGED, ENGINE_ROLLING, LmiConfig, runner_model
 from engines.dist import Communicator, SingleProcess, make_communicator, rank_info
 from engines.endpoint import EngineEndpoint
 from engines.ipc import high_water_mark
@@ -56,7 +56,7 @@ def run_shard(config: LmiConfig, comm: Communicator) -> int:
 
     from engines.models.spec import ModelSpec
 
-    runner = ModelRunner(config.model, ModelSpec.of(config.model), comm)
+    runner = ModelRunner(runner_model(config), ModelSpec.of(config.model), comm)
     runner.load()
     if config.scheduler.engine_kind == ENGINE_PAGED:
         from engines.worker.paged_runner import PagedRunner
@@ -193,13 +193,16 @@ def main(argv: list[str] | None = None) -> int:
         # the engine group, and mpirun signals the survivors when a rank dies.
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_DFL)
-    if info.rank > 0:
-        return run_shard(config, comm)
-    proc = EngineProcess(config, args.run_dir, comm)
-    if info.world_size == 1:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: proc.stop.set())
-    return proc.run()
+    try:
+        if info.rank > 0:
+            return run_shard(config, comm)
+        proc = EngineProcess(config, args.run_dir, comm)
+        if info.world_size == 1:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: proc.stop.set())
+        return proc.run()
+    finally:
+        comm.close()
 
 
 if __name__ == "__main__":

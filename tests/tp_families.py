@@ -61,6 +61,7 @@ def main(out_path: str, prompts_path: str, model_dirs: list[str]) -> None:
     if comm.rank == 0:
         with open(out_path, "w", encoding="utf-8") as f:
             json.dump(results, f)
+    comm.close()  # torch.distributed: its threads ended before the interpreter's
 
 
 if __name__ == "__main__":

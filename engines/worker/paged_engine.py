@@ -13,7 +13,7 @@ import msgspec
 
 from engines.models.spec import ModelSpec
 from engines.attention.base import select_backend
-from engines.config import LmiConfig
+from engines.config import LmiConfig, runner_model
 from engines.core.block_manager import BlockManager
 from engines.core.lora_slots import LoraSlots
 from engines.core.modes import scheduling_mode
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 class PagedEngine(EngineLoop):
     def __init__(self, config: LmiConfig, publish, comm=None):
         super().__init__(config, publish, comm or SingleProcess())
-        self.runner = ModelRunner(config.model, ModelSpec.of(config.model), self.comm)
+        self.runner = ModelRunner(runner_model(config), ModelSpec.of(config.model), self.comm)
         self.max_model_len = self.runner.max_model_len
         self.mode = scheduling_mode(config.scheduler)  # ValueError: the launcher refused it already
         self._prompt = PromptLogprobBuffer()
