@@ -49,9 +49,10 @@ def add_delta(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, bt: torch.Tenso
     lib: another build (tests)."""
     n, k = x.shape
     width, out = bt.shape[1], bt.shape[2]
-    src, dest = step.src.contiguous(), step.dest.contiguous()
+    segment, src, dest = step.segments(n)
+    src, dest = src.contiguous(), dest.contiguous()
     failed = cpu_attention.named_call("lmi::cpu_lora_sgmv", lambda: getattr(lib or load(), DTYPES[x.dtype])(
         x.data_ptr(), x.stride(0), a.data_ptr(), bt.data_ptr(), y.data_ptr(), y.stride(0), src.data_ptr(),
-        dest.data_ptr(), step.lo, step.hi, step.segment, n, k, width, out, torch.get_num_threads()))
+        dest.data_ptr(), step.lo, step.hi, segment, n, k, width, out, torch.get_num_threads()))
     if failed:
         raise MemoryError("the CPU LoRA kernel could not allocate its scratch memory")

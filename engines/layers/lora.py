@@ -133,11 +133,12 @@ class LoraBank(nn.Module):
         """x [N, in] → Δy [N, out]: the rows of each slot in the step's range gathered into one padded
         segment each, two batched matmuls over the segments, the products put back in row order
         (padding rows and the base model's rows get zeros)."""
-        lo, hi, seg = step.lo, step.hi, step.segment
-        xs = x.index_select(0, step.src).view(hi - lo, seg, x.shape[1])  # [k, G, in]
+        lo, hi = step.lo, step.hi
+        seg, src, dest = step.segments(x.shape[0])
+        xs = x.index_select(0, src).view(hi - lo, seg, x.shape[1])  # [k, G, in]
         d = torch.bmm(torch.bmm(xs, self.A[lo:hi].transpose(1, 2)), self.Bt[lo:hi])  # [k, G, out]
         out = x.new_zeros(x.shape[0] + 1, d.shape[2])  # the last row takes the padding's products
-        out.index_copy_(0, step.dest, d.view(-1, d.shape[2]))
+        out.index_copy_(0, dest, d.view(-1, d.shape[2]))
         return out[:-1]
 
 
@@ -206,7 +207,8 @@ class LoraStep:
     Captured decode steps (CUDA graphs, torch.compile) need shapes that do not change with the mix:
     the static form gives every slot 1..max_loras a segment of the bucket's size, its row indices
     written into persistent buffers before each replay (`write_static`) and read through the same
-    views the capture saw (`use_static`):
+    buffers the capture saw (`use_static`), sliced in the forward by its row count, so that a compiled
+    step takes the rows as a symbol (one graph for every bucket) rather than a constant of the module:
 
         slots   1        2        3             rows = 4 (a decode bucket), max_loras = 3
         src   [2 0 0 0 | 0 0 0 0 | 1 3 0 0]     rows 0 base, 1 and 3 slot 3, 2 slot 1
@@ -215,10 +217,10 @@ class LoraStep:
 
     def __init__(self, max_loras: int = 0):
         self.max_loras = max_loras
-        self.active = False
+        self.active = self.static = False
         self.lo = self.hi = self.segment = 0
         self.src = self.dest = None
-        self._static_src = self._static_dest = None
+        self.static_src = self.static_dest = None
 
     def clear(self) -> None:
         self.active = False
@@ -226,7 +228,7 @@ class LoraStep:
     def set(self, row_slots: list[int], num_rows: int, device: torch.device) -> None:
         """row_slots: the slot (0: the base model) of each of the first token rows of the step's
         `num_rows` (the rest: padding); at least one row uses an adapter."""
-        self.active = True
+        self.active, self.static = True, False
         rows: dict[int, list[int]] = {}
         for i, slot in enumerate(row_slots):
             if slot:
@@ -242,8 +244,8 @@ class LoraStep:
         self.src, self.dest = to_device(src, device, torch.long), to_device(dest, device, torch.long)
 
     def allocate_static(self, max_rows: int, device: torch.device) -> None:
-        self._static_src = torch.zeros(self.max_loras * max_rows, dtype=torch.long, device=device)
-        self._static_dest = torch.zeros(self.max_loras * max_rows, dtype=torch.long, device=device)
+        self.static_src = torch.zeros(self.max_loras * max_rows, dtype=torch.long, device=device)
+        self.static_dest = torch.zeros(self.max_loras * max_rows, dtype=torch.long, device=device)
 
     def write_static(self, row_slots: list[int], rows: int) -> None:
         """The static form's indices for a step of `rows` token rows (row_slots: the first ones' slots,
@@ -256,15 +258,21 @@ class LoraStep:
                 src[at] = dest[at] = i
                 filled[slot] += 1
         n = len(src)
-        self._static_src[:n].copy_(torch.tensor(src, dtype=torch.long))
-        self._static_dest[:n].copy_(torch.tensor(dest, dtype=torch.long))
+        self.static_src[:n].copy_(torch.tensor(src, dtype=torch.long))
+        self.static_dest[:n].copy_(torch.tensor(dest, dtype=torch.long))
 
-    def use_static(self, rows: int) -> None:
-        """Run the next forward in the static form, over the buffers' views for `rows` token rows."""
-        self.active = True
-        self.lo, self.hi, self.segment = 1, self.max_loras + 1, rows
-        n = self.max_loras * rows
-        self.src, self.dest = self._static_src[:n], self._static_dest[:n]
+    def segments(self, num_rows: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """(segment, src, dest) for a forward of `num_rows` token rows; the static form's segment is
+        the row count, read off the forward's input (a symbol when compiled, not a module constant)."""
+        if not self.static:
+            return self.segment, self.src, self.dest
+        n = (self.hi - self.lo) * num_rows
+        return num_rows, self.static_src[:n], self.static_dest[:n]
+
+    def use_static(self) -> None:
+        """Run the next forward in the static form, over the persistent buffers."""
+        self.active = self.static = True
+        self.lo, self.hi = 1, self.max_loras + 1
 
 
 class LoraHook:

@@ -110,8 +110,8 @@ class PagedRunner:
                 os.environ["TORCHINDUCTOR_CACHE_DIR"] = compile_cache_dir
             # the forward without its inference_mode decorator (the step already runs in inference
             # mode; traced with it, the in-place KV writes fail to compile), with automatic dynamic
-            # shapes: the first bucket compiles static, the next makes batch size and block-table
-            # width symbolic, so that every bucket shares one or two graphs
+            # shapes for the row count and a symbolic block-table width (warm_up_buckets makes the
+            # graphs: one for one row, one for several)
             forward = type(r.model).forward
             self._decode_model = torch.compile(functools.partial(getattr(forward, "__wrapped__", forward), r.model),
                                                dynamic=None)
@@ -128,13 +128,15 @@ class PagedRunner:
         use: running them all up front costs a forward of thousands of tokens, minutes for a 1 B
         model on a CPU."""
         b = self.buffers
-        self.backend.warm_up(self.runner.model.num_heads, b.decode_buckets, b.width_buckets)
-        scratch = [self.backend.scratch_block]
+        # compiled (dynamic shapes): block tables at least two blocks wide, since a size of 1 is
+        # always specialised, a graph of its own; then one graph takes every width and one row, one
+        # every width and several rows, both made here, so that no step recompiles while serving
+        compiled = self.decode_mode == DECODE_INDUCTOR
+        widths = b.width_buckets[1:] if compiled and len(b.width_buckets) > 1 else b.width_buckets
+        self.backend.warm_up(self.runner.model.num_heads, b.decode_buckets, widths)
+        chunk = SeqChunk((widths[0] - 1) * b.block_size, 1, [self.backend.scratch_block] * widths[0], [0])
         for size in b.decode_buckets:
-            batch = ForwardBatch([SeqChunk(0, 1, scratch, [0]) for _ in range(size)], list(range(size)))
-            self.forward(batch)
-            if self.decode_mode == DECODE_INDUCTOR:  # compile every decode bucket now
-                self.forward(batch)
+            self.forward(ForwardBatch([chunk] * size, list(range(size))))
         if self.graphs is not None:
             self.graphs.capture()
 
@@ -258,8 +260,11 @@ class PagedRunner:
             if graphed:
                 logits = self.graphs.replay(view.num_seqs)
             else:
+                meta = self.backend.metadata(view)
+                if compiled and getattr(meta, "block_table", None) is not None:  # any width, one graph
+                    torch._dynamo.mark_dynamic(meta.block_table, 1)
                 model = self._decode_model if view.decode_only else self.runner.model
-                logits = self._run_model(view, self.backend.metadata(view), model, static_lora=compiled)
+                logits = self._run_model(view, meta, model, static_lora=compiled)
         finally:
             if lora is not None:
                 lora.step.clear()
@@ -269,7 +274,7 @@ class PagedRunner:
         """static_lora: the LoRA path in its static form (captured or compiled decode steps), the
         indices written already."""
         if static_lora and self.runner.lora is not None:
-            self.runner.lora.step.use_static(view.num_tokens)
+            self.runner.lora.step.use_static()
         model = model or self.runner.model
         return model(view.input_ids.view(1, -1), view.positions.view(1, -1), self.backend, meta, view.logits_indices)
 
