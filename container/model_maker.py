@@ -131,8 +131,9 @@ def model_config(arch: str, size: str, tokenizer, overrides: dict | None = None)
                    n_head=shape["num_attention_heads"], **common)
     settings = {**shape, **common, **family, **(overrides or {})}
     if class_name in ("FalconConfig", "GPTNeoXConfig"):
+        # Falcon keeps `intermediate_size` as an attribute it never reads (its MLP is ffn_hidden_size,
+        # 4 × hidden): left in, as a config built with it carries it
         settings.pop("num_key_value_heads")
-        settings.pop("intermediate_size") if class_name == "FalconConfig" else None
     if class_name != "FalconConfig":
         settings.setdefault("rms_norm_eps" if class_name != "GPTNeoXConfig" else "layer_norm_eps", 1e-5)
     scaling = settings.get("rope_scaling") or {}

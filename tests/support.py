@@ -151,10 +151,11 @@ def paged_engine(model_dir, **sched):
 
 
 def local_engine(model_dir, kind: str, model_impl: str = "auto", quantize: str | None = None, dtype: str = "fp32",
-                 kv_cache_dtype: str = "auto", lora: dict | None = None, cpu_linear: str = "auto", **sched):
+                 kv_cache_dtype: str = "auto", lora: dict | None = None, cpu_linear: str = "auto",
+                 trust_remote_code: bool = False, **sched):
     """A loaded rolling engine of `kind` (paged | rolling: the padded one) on a model in `dtype`, in this
-    process, publishing nowhere; as paged_engine. model_impl, quantize, cpu_linear: option.model_impl,
-    option.quantize, option.cpu_linear."""
+    process, publishing nowhere; as paged_engine. model_impl, quantize, cpu_linear, trust_remote_code:
+    option.model_impl, option.quantize, option.cpu_linear, option.trust_remote_code."""
     from engines.config import ENGINE_PAGED, LmiConfig, ModelConfig, SchedulerConfig
     from engines.dist import SingleProcess
     from engines.worker.paged_engine import PagedEngine
@@ -163,7 +164,7 @@ def local_engine(model_dir, kind: str, model_impl: str = "auto", quantize: str |
     sched = {"kv_cache_memory": "4MiB", "max_num_seqs": 4, **sched}
     config = LmiConfig(model=ModelConfig(local_dir=str(model_dir), dtype=dtype, model_impl=model_impl,
                                          quantize=quantize, kv_cache_dtype=kv_cache_dtype, cpu_linear=cpu_linear,
-                                         **(lora or {})),
+                                         trust_remote_code=trust_remote_code, **(lora or {})),
                        scheduler=SchedulerConfig(engine_kind=kind, **sched))
     engine = (PagedEngine if kind == ENGINE_PAGED else RollingEngine)(config, lambda outs: None, SingleProcess())
     engine.load()

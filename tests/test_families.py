@@ -90,6 +90,23 @@ def test_native_families_give_hf_greedy_tokens_in_both_engines(family_dir, arch,
     assert engine_greedy(model_dir, "rolling") == expected
 
 
+def test_the_falcon_40b_layout_serves_hf_greedy_tokens_on_our_code_and_on_transformers_own_cache(family_dir):
+    """The new decoder (grouped KV heads, parallel attention, two LayerNorms, no biases, no ALiBi) from
+    a config that also carries an `intermediate_size` Falcon never reads (its MLP is ffn_hidden_size):
+    our code sizes the MLP as transformers does, and the padded engine's fallback takes transformers'
+    cache, which holds K and V repeated for every query head. (TP=2: the TP2 run below.)"""
+    model_dir = family_dir("falcon", "legacy")
+    cfg = json.loads((model_dir / "config.json").read_text())
+    assert (cfg["new_decoder_architecture"], cfg["num_kv_heads"], cfg["num_attention_heads"], cfg["parallel_attn"],
+            cfg["bias"], cfg["alibi"]) == (True, 2, 4, True, False, False)
+    assert cfg["intermediate_size"] != cfg["ffn_hidden_size"]
+    assert ModelSpec.read(str(model_dir)).intermediate_size == cfg["ffn_hidden_size"]
+    expected = hf_greedy(model_dir)
+    for kind in ("paged", "rolling"):
+        assert engine_greedy(model_dir, kind) == expected, kind
+    assert engine_greedy(model_dir, "rolling", trust_remote_code=True) == expected
+
+
 # the other layers of the NeoX decoder: sequential blocks, per-head q/k/v, biases, one norm, ties, GeLU forms
 VARIANTS = {
     "falcon-sequential": ("falcon-7b", {"parallel_attn": False, "multi_query": False, "bias": True}),

@@ -114,8 +114,7 @@ class ModelSpec(msgspec.Struct, frozen=True):
             architecture=(cfg.get("architectures") or ["unknown"])[0], model_type=cfg.get("model_type", ""),
             vocab_size=cfg.get("vocab_size", 0), hidden_size=hidden, num_layers=layers, num_heads=heads,
             num_kv_heads=kv_heads, head_dim=head_dim,
-            intermediate_size=_first(cfg, "intermediate_size", "ffn_hidden_size", "n_inner", default=None)
-            or 4 * hidden,
+            intermediate_size=_intermediate_size(cfg) or 4 * hidden,
             max_position_embeddings=declared, max_model_len=max_len,
             rope=rope, local_rope=local_rope, rotary_dim=int(head_dim * partial),
             sliding_windows=windows,
@@ -146,6 +145,15 @@ def _first(cfg: dict, *keys: str, default=None):
         if cfg.get(key) is not None:
             return cfg[key]
     return default
+
+
+def _intermediate_size(cfg: dict) -> int | None:
+    """The MLP's width under the key the architecture's transformers code reads: Falcon's config class
+    reads `ffn_hidden_size` only (4 × hidden without it), and a config built with a stray
+    `intermediate_size` keeps it as an attribute nothing uses."""
+    if cfg.get("model_type") == "falcon":
+        return _first(cfg, "ffn_hidden_size")
+    return _first(cfg, "intermediate_size", "ffn_hidden_size", "n_inner")
 
 
 def _ids(value) -> tuple[int, ...]:

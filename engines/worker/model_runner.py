@@ -41,6 +41,7 @@ class ModelRunner:
         self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.model = None
         self.is_native = False  # our model code
+        self.fallback_why: str | None = None  # why transformers runs the model instead (set by load)
         self.lora = None  # option.enable_lora: engines.layers.lora.LoraAdapters
         self.owns_kv = False  # the model attends through our KV backends (ours, or HF's via hf_paged)
         self.layer_options: list[LayerOptions] | None = None  # how each layer attends (native models)
@@ -94,9 +95,10 @@ class ModelRunner:
         self.eos_token_ids = frozenset(spec.eos_token_ids)
         self.pad_token_id = spec.pad_token_id if spec.pad_token_id is not None else 0
         elapsed = time.perf_counter() - started
-        why = "option.trust_remote_code=true" if cfg.trust_remote_code else \
-            "option.model_impl=transformers" if cfg.model_impl == "transformers" else fallback_reason(spec)
-        how = "native" if self.is_native else f"the transformers fallback{' on our KV cache' if self.owns_kv else ''}: {why}"
+        self.fallback_why = None if self.is_native else "option.trust_remote_code=true" if cfg.trust_remote_code \
+            else "option.model_impl=transformers" if cfg.model_impl == "transformers" else fallback_reason(spec)
+        how = "native" if self.is_native else \
+            f"the transformers fallback{' on our KV cache' if self.owns_kv else ''}: {self.fallback_why}"
         log.info("loaded %s (%s, %s%s) in %.1f s", spec.architecture, how, self.dtype,
                  f": {cfg.dtype_why}" if cfg.dtype_why else "", elapsed)
         TIMELINE.record("weight_load", elapsed, throughput(self.weight_bytes, elapsed))

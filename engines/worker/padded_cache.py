@@ -93,10 +93,15 @@ class PaddedKVCache:
         self._step = 0
 
     def set_layer(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Store a layer's K/V for columns [0, width + T) (the HF fallback hands back whole caches)."""
+        """Store a layer's K/V for columns [0, width + T) (the HF fallback hands back whole caches).
+        transformers' cache may hold another number of heads than the checkpoint's KV heads
+        (Falcon's new decoder keeps K and V repeated for every query head): the layer takes its form."""
         n = keys.shape[2]
         if n > self.capacity:
             self._grow(n + GROW)
+        if keys.shape[1] != self.keys[layer_idx].shape[1]:
+            shape = (keys.shape[0], keys.shape[1], self.capacity, keys.shape[3])
+            self.keys[layer_idx], self.values[layer_idx] = keys.new_empty(shape), values.new_empty(shape)
         self.keys[layer_idx][:, :, :n] = keys
         self.values[layer_idx][:, :, :n] = values
 

@@ -30,7 +30,6 @@ import torch
 
 from engines.attention.base import AttentionBackend, ForwardBatch, SeqChunk, select_backend
 from engines.core.plan import StepPlan
-from engines.models.registry import fallback_reason
 from engines.worker.model_runner import ModelRunner
 from engines.worker.grammar import Grammars
 from engines.worker.sampler import Sampler, prompt_logprobs
@@ -71,7 +70,7 @@ class PagedRunner:
         if not runner.owns_kv:
             raise ValueError(f"the paged engine needs our model code or a transformers model whose attention goes "
                              f"through transformers' attention interface, and {runner.spec.architecture} has neither "
-                             f"here ({fallback_reason(runner.spec) or 'option.trust_remote_code=true'}); "
+                             f"here ({runner.fallback_why}); "
                              "use option.rolling_batch=scheduler")
         self.runner = runner
         self.backend: AttentionBackend | None = None
