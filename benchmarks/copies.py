@@ -5,7 +5,7 @@ threads, the same load, interleaved rounds, each a fresh real server (`lmi serve
 
 Load: `--clients` closed-loop clients sending `--requests` requests of the 32x128 workload (32
 prompt tokens, 128 new, ignore_eos), streamed; generated tok/s over the run, latency p50 / p90 and
-TTFT p90 per request. Two copies: each engine pinned to one core (engines/serve.py), one torch thread
+TTFT p90 per request. Two copies: each engine pinned to one core (engines/process/serve.py), one torch thread
 each, behind the one front end that sends each request to the copy with the fewest outstanding
 tokens. One copy: the usual engine, two torch threads.
 """

@@ -23,7 +23,7 @@ import warnings
 
 def shapes(model_dir: str) -> tuple[list[tuple[int, int]], int]:
     """One layer's linear shapes [(out, in)] and the number of layers."""
-    from engines.models.spec import ModelSpec
+    from engines.spec import ModelSpec
 
     s = ModelSpec.read(model_dir, None)
     head = s.head_dim
@@ -60,7 +60,7 @@ def main(argv=None) -> int:
 
     from engines.layers import cpu_linear
     from engines.layers.linear import linear
-    from engines.precision import cpu_flags, describe_cpu
+    from engines.devices import cpu_flags, describe_cpu
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.cpu_linear")
     p.add_argument("--model-dir", required=True)

@@ -42,7 +42,7 @@ def measure_one(model_dir: str, way: str, batch: int, prompt: int, new: int) -> 
     from engines.config import ENGINE_PAGED, ENGINE_ROLLING, LmiConfig, ModelConfig, SchedulerConfig
     from engines.protocol import Add
     from engines.sampling_params import SamplingParams
-    from engines.serve import build_engine
+    from engines.process.serve import build_engine
     from engines.dist import SingleProcess
 
     tokens: dict[str, list[int]] = {}
@@ -105,7 +105,7 @@ def main(argv=None) -> int:
 
     from container.model_maker import FAMILIES, make_model
     from engines.models.registry import attention_interface_supported, fallback_reason
-    from engines.models.spec import ModelSpec
+    from engines.spec import ModelSpec
 
     families = args.families.split(",") if args.families else list(FAMILIES)
     root = tempfile.mkdtemp(prefix="lmi-families-")

@@ -87,9 +87,9 @@ def measure_one(method: str, model_dir: str, cache_dir: str, device: str = "cpu"
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(device)
     else:
         from engines.dist import SingleProcess
-        from engines.loader import build_model
+        from engines.weights.loader import build_model
         from engines.models.registry import model_class
-        from engines.models.spec import ModelSpec
+        from engines.spec import ModelSpec
 
         spec = ModelSpec.read(model_dir)
         cls = model_class(spec)

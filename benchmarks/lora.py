@@ -52,7 +52,7 @@ def measure_one(model_dir: str, batch: int, prompt: int, new: int, dtype: str, a
     from engines.protocol import Add
     from engines.sampling_params import SamplingParams
     from benchmarks.step import run_to_end
-    from engines.worker.paged_engine import PagedEngine
+    from engines.loop.paged_engine import PagedEngine
 
     generated = [0]
 

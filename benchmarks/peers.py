@@ -293,7 +293,7 @@ SAME_PRECISION = {"lmi fp32": "llama.cpp f32", "lmi bf16": "llama.cpp bf16", "lm
 
 def host() -> dict[str, str]:
     """The CPU the figures were measured on: its model name and the flags that decide kernels."""
-    from engines.precision import cpu_flags, describe_cpu
+    from engines.devices import cpu_flags, describe_cpu
 
     try:
         with open("/proc/cpuinfo") as f:

@@ -188,7 +188,7 @@ def process_tree(root: int) -> dict[int, str]:
         pid = todo.pop()
         for child in (p for p, pp in parent.items() if pp == pid):
             c = cmd.get(child, "")
-            if "engines.serve" in c:
+            if "engines.process.serve" in c:
                 roles[child] = "engine"
             elif "gunicorn" in c:
                 roles[child] = "gunicorn-worker" if roles[pid].startswith("gunicorn") else "gunicorn-master"

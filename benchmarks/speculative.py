@@ -87,7 +87,7 @@ class Timed:
 
 def make_engine(model_dir: str, concurrency: int, sched: dict):
     from engines.config import ENGINE_PAGED, LmiConfig, ModelConfig, SchedulerConfig
-    from engines.worker.paged_engine import PagedEngine
+    from engines.loop.paged_engine import PagedEngine
 
     config = LmiConfig(model=ModelConfig(local_dir=model_dir, dtype="bf16"),
                        scheduler=SchedulerConfig(engine_kind=ENGINE_PAGED, max_num_seqs=concurrency,

@@ -43,7 +43,7 @@ def measure_one(model_dir: str, batch: int, prompt: int, new: int, dtype: str, c
     from engines.config import ENGINE_PAGED, LmiConfig, ModelConfig, SchedulerConfig
     from engines.protocol import Add
     from engines.sampling_params import SamplingParams
-    from engines.worker.paged_engine import PagedEngine
+    from engines.loop.paged_engine import PagedEngine
     from handlers.structured import compile_grammar
 
     generated = [0]

@@ -36,7 +36,7 @@ def worker(args) -> None:
     from engines.config import ModelConfig
     from engines.dist import make_communicator, rank_info
     from engines.worker.model_runner import ModelRunner
-    from engines.models.spec import ModelSpec
+    from engines.spec import ModelSpec
 
     info = rank_info(os.environ)
     if info.world_size > 1:

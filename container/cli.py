@@ -9,11 +9,11 @@ import sys
 import time
 
 from container import config as cfgmod
-from engines.artifacts import ArtifactError, resolve_model
+from engines.weights.artifacts import ArtifactError, resolve_model
 from container.keys import KEY_ALIASES, ConfigError
 from container.model_maker import ARCHITECTURES, DTYPES, SIZES
 from container.properties import PropertiesError, read_properties, read_vllm_yaml
-from engines.startup import TIMELINE, process_age
+from engines.process.startup import TIMELINE, process_age
 
 log = logging.getLogger("container.cli")
 
@@ -88,7 +88,7 @@ def cmd_serve(args) -> int:
 def _check_plan(resolved: cfgmod.ResolvedConfig, config, spec) -> str | None:
     """Log the memory plan's summary for this machine; the "does not fit" line when it cannot fit."""
     from container import planner
-    from engines.memory_plan import plan
+    from engines.weights.memory_plan import plan
 
     machine = planner.this_machine(cfgmod.count_gpus(os.environ))
     try:
@@ -137,8 +137,8 @@ def cmd_config(args) -> int:
 
 def cmd_plan(args) -> int:
     from container import instances, planner
-    from engines.memory_plan import Machine, available_ram, plan
-    from engines.models.spec import ModelSpec
+    from engines.weights.memory_plan import Machine, available_ram, plan
+    from engines.spec import ModelSpec
 
     resolved = _resolve(args)
     model_dir = planner.config_dir(args.model or resolved["option.model_id"] or args.model_dir,

@@ -24,9 +24,9 @@ from engines.config import (
 )
 from engines.core.modes import scheduling_mode
 from engines.models import registry
-from engines.models.spec import ModelSpec
-from engines.precision import DtypeChoice, choose_dtype, cpu_flags
-from engines.quant_checkpoint import check_quantize_option, read_checkpoint_quant
+from engines.spec import ModelSpec
+from engines.devices import DtypeChoice, choose_dtype, cpu_flags
+from engines.weights.quant_checkpoint import check_quantize_option, read_checkpoint_quant
 
 log = logging.getLogger(__name__)
 
@@ -299,7 +299,7 @@ def build(cfg: ResolvedConfig, *, local_dir: str, spec: ModelSpec | None,
     """The typed configuration the engine and HTTP workers run with. adapters: option.adapters with
     each location resolved to a local directory (by the caller, which fetches S3 and hub ones); cpu:
     the CPU's feature flags (None: this one's), gpu_bf16: whether the GPUs compute bf16 (None: not
-    known), which decide the dtype when option.dtype is unset (engines/precision.py)."""
+    known), which decide the dtype when option.dtype is unset (engines/devices.py)."""
     handler = custom_handler(cfg, local_dir)
     if handler is not None:
         return build_handler(cfg, handler, local_dir=local_dir, num_gpus=num_gpus, num_cpus=num_cpus, port=port)
@@ -499,7 +499,7 @@ def quantized_dtype(cfg: ResolvedConfig, num_gpus: int, fallback: str | None, sp
     """The model dtype and why, checked against option.quantize and the checkpoint's own
     quantization_config: quantisation runs on our model code only, and int4 on CUDA in bf16 only (bf16
     when option.dtype is unset); a pre-quantised checkpoint takes option.quantize unset or its own
-    method. Otherwise option.dtype, or when unset (or auto) engines/precision.py's policy."""
+    method. Otherwise option.dtype, or when unset (or auto) engines/devices.py's policy."""
     method, dtype = cfg["option.quantize"], cfg["option.dtype"]
     if dtype == "auto":
         dtype = None  # the policy: the checkpoint's dtype on GPUs, what the CPU computes natively on CPUs

@@ -8,7 +8,7 @@ little less, which gpu_memory_utilization (0.9 by default) leaves room for.
 
 from __future__ import annotations
 
-from engines.memory_plan import GIB, Machine
+from engines.weights.memory_plan import GIB, Machine
 
 # name -> (number of GPUs, GiB per GPU)
 INSTANCES: dict[str, tuple[int, int]] = {

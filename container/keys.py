@@ -81,7 +81,7 @@ def text(key: str, raw: str) -> str:
 # fp8 (CUDA 8.9+; also an fp8 checkpoint's own method)
 QUANTIZE_METHODS = ("int8", "int4", "int8_dynamic", "fp8")
 # a pre-quantised checkpoint's own method: accepted when config.json's quantization_config says the same
-# (checked where the checkpoint is known: container/config.py, engines/quant_checkpoint.py)
+# (checked where the checkpoint is known: container/config.py, engines/weights/quant_checkpoint.py)
 PREQUANTIZED_METHODS = ("gptq", "awq", "compressed-tensors", "fp8")
 _QUANTIZE_ALIASES = {"compressed_tensors": "compressed-tensors"}
 _QUANTIZE_MISSING = {

@@ -1,6 +1,6 @@
 """Start the engine group and gunicorn, then supervise them.
 
-    launcher ──► engine      python -m engines.serve --run-dir D     (engine=MPI: under mpirun)
+    launcher ──► engine      python -m engines.process.serve --run-dir D     (engine=MPI: under mpirun)
              └─► gunicorn    handlers.app:create_app(D), threaded workers
     cannot start           → preflight (model files, tokenizer, weights, mpirun, port): one line, exit 2
     engine dies            → stop gunicorn, exit non-zero; with several model copies (maxWorkers), a copy
@@ -29,9 +29,9 @@ import time
 
 from container.preflight import first_problem
 from engines.config import LmiConfig
-from engines.startup import TIMELINE, startup_path
-from engines.protocol import (CORES_ENV, DIST_PORT, copy_dirs, draining_path, engine_socket_path, failure_path, read_failure,
-                              ready_path, write_atomically, write_failure)
+from engines.process.startup import TIMELINE, startup_path
+from engines.process.rundir import (CORES_ENV, DIST_PORT, copy_dirs, draining_path, engine_socket_path, failure_path,
+                                    read_failure, ready_path, write_atomically, write_failure)
 
 log = logging.getLogger("container.launcher")
 
@@ -41,7 +41,7 @@ DEAD_LINGER_S = 1.5  # after the engine died: /ping says 503 and in-flight reque
 
 
 def engine_command(config: LmiConfig, run_dir: str) -> list[str]:
-    cmd = [sys.executable, "-m", "engines.serve", "--run-dir", run_dir]
+    cmd = [sys.executable, "-m", "engines.process.serve", "--run-dir", run_dir]
     par = config.parallel
     if par.use_mpi and par.ranks > 1:  # one rank needs no mpirun
         n = str(par.ranks)
@@ -246,7 +246,7 @@ class EngineCopy:
         return engine_command(self.config, self.dir)
 
     def environment(self, base: dict[str, str]) -> dict[str, str]:
-        """Its GPUs (CUDA_VISIBLE_DEVICES) or cores (LMI_CPU_CORES, engines/serve.py pins to them), and
+        """Its GPUs (CUDA_VISIBLE_DEVICES) or cores (LMI_CPU_CORES, engines/process/serve.py pins to them), and
         torch.distributed's rendezvous (GPU ranks): a port of its own (MASTER_PORT + copy index) on rank 0's
         host (with a hostfile its first host, the leader)."""
         env = dict(base)

@@ -1,5 +1,5 @@
 """`lmi plan` and the start-up check of `lmi serve`: a checkpoint's shape (config.json and the
-safetensors headers, never the weights) + the resolved settings + a machine → engines.memory_plan.
+safetensors headers, never the weights) + the resolved settings + a machine → engines.weights.memory_plan.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from dataclasses import asdict
 from container.config import query_gpus
 from container.preflight import read_safetensors_header
 from engines.config import ENGINE_PAGED, memory_bytes
-from engines.memory_plan import Machine, ModelShape, Plan, Workload, available_ram, count, gib
-from engines.models.spec import ModelSpec
-from engines.precision import choose_dtype, cpu_flags
-from engines.quant_checkpoint import read_checkpoint_quant
+from engines.weights.memory_plan import Machine, ModelShape, Plan, Workload, available_ram, count, gib
+from engines.spec import ModelSpec
+from engines.devices import choose_dtype, cpu_flags
+from engines.weights.quant_checkpoint import read_checkpoint_quant
 
 TORCH_DTYPE_NAMES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 _ELEMENT_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,

@@ -15,7 +15,7 @@ import msgspec
 ENGINE_DYNAMIC = "dynamic"
 ENGINE_ROLLING = "rolling"
 ENGINE_PAGED = "paged"
-ENGINE_HANDLER = "handler"  # a custom handler (model.py): engines/handler_engine.py
+ENGINE_HANDLER = "handler"  # a custom handler (model.py): engines/custom/handler_engine.py
 ENGINE_KINDS = (ENGINE_DYNAMIC, ENGINE_ROLLING, ENGINE_PAGED, ENGINE_HANDLER)
 
 # Architectures with our own (TP-aware) implementation; anything else runs on the HF fallback path,
@@ -25,14 +25,14 @@ class ModelConfig(msgspec.Struct, frozen=True):
     model_id: str | None = None  # what the user asked for
     revision: str | None = None
     dtype: str = "fp32"  # fp32 | fp16 | bf16 | auto (= the checkpoint's torch_dtype)
-    dtype_why: str = ""  # why the launcher chose it (engines/precision.py), for the engine's log
+    dtype_why: str = ""  # why the launcher chose it (engines/devices.py), for the engine's log
     cpu_linear: str = "auto"  # CPU linear kernels: auto (measured at load) | aten | onednn | upcast | lmi
     trust_remote_code: bool = False
     model_impl: str = "auto"  # auto | native | transformers (option.model_impl)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     quantize: str | None = None
     kv_cache_dtype: str = "auto"  # how K/V are stored: auto (the model dtype) | fp8 (= fp8_e4m3) | fp8_e5m2
-    load_cache_dir: str | None = None  # a load-optimised copy of each rank's weights (engines/load_cache.py)
+    load_cache_dir: str | None = None  # a load-optimised copy of each rank's weights (engines/weights/load_cache.py)
     # LoRA adapters (engines/layers/lora.py, docs/lora.md): MODEL_DIR/adapters/<name>, option.adapters, or
     # registered at run time; max_loras in device slots, the max_cpu_loras most recently used read in RAM
     enable_lora: bool = False
@@ -186,3 +186,41 @@ def lora_sources(model: ModelConfig) -> dict[str, str]:
         found[name] = path
     return found
 
+
+
+# -- which features combine ----------------------------------------------------------------------
+# One table, read by the launcher's check (container/compat.py), `lmi plan` (through it) and the
+# engine's runner (engines/worker/model_runner.py), so that a refusal says the same wherever it is made.
+
+# features that run on our model code only: what each does (the refusal's first half) and the fix
+OUR_CODE_ONLY = {
+    "quant_checkpoint": ("a {method} checkpoint loads on our model code only", "serve its unquantised checkpoint"),
+    "quantize": ("option.quantize={method} quantises the linear layers of our model code", "unset option.quantize"),
+    "lora": ("option.enable_lora=true applies adapters to our model code", "unset option.enable_lora"),
+    "pipeline": ("option.pipeline_parallel_degree={pp}: the stages run our model code",
+                 "unset option.pipeline_parallel_degree"),
+}
+
+# pairs of features not supported together yet, and why (either order)
+NOT_TOGETHER = {
+    frozenset({"pipeline", "lora"}): "LoRA adapters and pipeline stages are not supported together yet",
+    frozenset({"pipeline", "quant_checkpoint"}): "a pre-quantised checkpoint and pipeline stages are not supported "
+                                                 "together yet (docs/multinode.md)",
+    frozenset({"pipeline", "draft"}): "a draft model (option.speculative_model) and pipeline stages are not "
+                                      "supported together yet (prompt lookup, option.speculative_method=ngram, is)",
+    frozenset({"lora", "speculative"}): "LoRA adapters and speculative decoding are not supported together yet; "
+                                        "unset one",
+}
+
+
+def fallback_refusal(feature: str, architecture: str | None, why: str | None, **values) -> str:
+    """Why `feature` cannot run on a model the transformers fallback runs (`why`: the fallback's reason)."""
+    does, fix = OUR_CODE_ONLY[feature]
+    because = f" ({why})" if why else ""
+    return f"{does.format(**values)}, and {architecture or 'this model'} runs on the transformers fallback" \
+           f"{because}; {fix}"
+
+
+def together_refusal(first: str, second: str, first_setting: str, second_setting: str) -> str:
+    """Why two features (each named by the setting that asked for it) cannot run together."""
+    return f"{first_setting} with {second_setting}: {NOT_TOGETHER[frozenset({first, second})]}"

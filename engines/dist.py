@@ -265,7 +265,7 @@ class TorchDistCommunicator:
 
         import torch.distributed as dist
 
-        from engines.protocol import DIST_PORT
+        from engines.process.rundir import DIST_PORT
 
         addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", DIST_PORT))
         dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", world_size=info.world_size,

@@ -10,7 +10,7 @@ adapter management routes and vLLM's.
           POST   /v1/unload_lora_adapter  {"lora_name"}
 
 A source is a local directory, an s3:// prefix or a hub id, fetched here (in the HTTP worker, so that
-generation does not wait for a download) as model artifacts are (engines/artifacts.py). The engine
+generation does not wait for a download) as model artifacts are (engines/weights/artifacts.py). The engine
 reads and checks the adapter on every rank between steps; unregistering waits until no request
 uses the adapter (new ones are refused at once), then answers.
 """
@@ -23,7 +23,7 @@ from typing import Callable
 import msgspec
 from flask import Flask, Response, request
 
-from engines.artifacts import ArtifactError, resolve_model
+from engines.weights.artifacts import ArtifactError, resolve_model
 from engines.protocol import ADAPTER_REGISTER, ADAPTER_UNREGISTER, AdapterCommand
 from handlers.errors import HttpError, bad_request
 

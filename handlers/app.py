@@ -26,9 +26,10 @@ from flask import Flask, Response, g, request
 from werkzeug.exceptions import HTTPException
 
 from engines.config import ENGINE_DYNAMIC, LmiConfig
-from engines.models.spec import ModelSpec
-from engines.ipc import high_water_mark
-from engines.protocol import STATE_READY, AdapterInfo, draining_path, engine_socket_path, read_failure, write_failure
+from engines.spec import ModelSpec
+from engines.process.ipc import high_water_mark
+from engines.protocol import STATE_READY, AdapterInfo
+from engines.process.rundir import draining_path, engine_socket_path, read_failure, write_failure
 from handlers.engine_client import EngineClient
 from handlers.engine_pool import EnginePool
 from handlers.errors import HttpError, bad_request

@@ -1,7 +1,7 @@
 """A gunicorn worker's connection to the engine: one DEALER socket owned by one IO thread.
 
 Request threads hand frames to the IO thread through thread-local inproc PUSH sockets; the IO
-thread sends them on through an outbox that never drops a frame (engines/ipc.py), and routes each
+thread sends them on through an outbox that never drops a frame (engines/process/ipc.py), and routes each
 engine output to the queue of the request it belongs to. Request ids are the server's own (one
 uuid per input), so two requests can never share a queue.
 
@@ -19,7 +19,8 @@ import time
 
 import zmq
 
-from engines import ipc, protocol
+from engines import protocol
+from engines.process import ipc
 from engines.protocol import (Abort, AdapterCommand, AdapterReply, Add, HandlerCall, HandlerReply, Health, HealthReply,
                               Output)
 

@@ -13,9 +13,9 @@ import queue
 import random
 import threading
 
-from engines import ipc
-from engines.protocol import (STATE_READY, Add, HandlerCall, HealthReply, copy_dirs, engine_socket_path,
-                              read_failure)
+from engines.process import ipc
+from engines.protocol import STATE_READY, Add, HandlerCall, HealthReply
+from engines.process.rundir import copy_dirs, engine_socket_path, read_failure
 from handlers.engine_client import EngineClient, await_reply
 
 

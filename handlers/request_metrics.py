@@ -27,7 +27,7 @@ import time
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from engines.protocol import write_atomically
+from engines.process.rundir import write_atomically
 
 FLUSH_S = 0.25
 

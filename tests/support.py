@@ -158,8 +158,8 @@ def local_engine(model_dir, kind: str, model_impl: str = "auto", quantize: str |
     option.model_impl, option.quantize, option.cpu_linear, option.trust_remote_code."""
     from engines.config import ENGINE_PAGED, LmiConfig, ModelConfig, SchedulerConfig
     from engines.dist import SingleProcess
-    from engines.worker.paged_engine import PagedEngine
-    from engines.worker.rolling_engine import RollingEngine
+    from engines.loop.paged_engine import PagedEngine
+    from engines.loop.rolling_engine import RollingEngine
 
     sched = {"kv_cache_memory": "4MiB", "max_num_seqs": 4, **sched}
     config = LmiConfig(model=ModelConfig(local_dir=str(model_dir), dtype=dtype, model_impl=model_impl,
@@ -217,7 +217,7 @@ def compare_backends_over_mixed_steps(oracle_cls, backend_cls, device, dtype, bl
     for every real token, and its padding rows are zero (mixed steps)."""
     import torch
 
-    from engines.attention.base import ForwardBatch, SeqChunk
+    from engines.attention.step import ForwardBatch, SeqChunk
     from engines.worker.step_buffers import StepBuffers
 
     torch.manual_seed(0)

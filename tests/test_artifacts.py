@@ -1,4 +1,4 @@
-"""Tests for engines.artifacts against a real moto S3 server and a real HF cache layout."""
+"""Tests for engines.weights.artifacts against a real moto S3 server and a real HF cache layout."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import boto3
 import huggingface_hub.constants as hf_constants
 import pytest
 
-from engines.artifacts import ArtifactError, resolve_model
+from engines.weights.artifacts import ArtifactError, resolve_model
 from tests.support import free_port
 
 BUCKET = "models"

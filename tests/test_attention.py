@@ -6,8 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from engines.models.spec import ModelSpec
-from engines.attention.base import ForwardBatch, SeqChunk, select_backend, token_buckets
+from engines.spec import ModelSpec
+from engines.attention.step import ForwardBatch, SeqChunk, token_buckets
+from engines.attention.registry import select_backend
 from engines.attention.torch_backend import TorchPagedBackend
 from engines.config import ModelConfig
 from engines.core.plan import NewRequest, StepPlan

@@ -12,7 +12,7 @@ import pytest
 from engines.config import ENGINE_PAGED, LmiConfig, ModelConfig, SchedulerConfig
 from engines.dist import SingleProcess
 from engines.sampling_params import SamplingParams
-from engines.worker.paged_engine import PagedEngine
+from engines.loop.paged_engine import PagedEngine
 from tests.support import drive_engine, output_tokens
 
 PROMPTS = [[1] + list(range(10 + 3 * i, 17 + 5 * i)) for i in range(7)]

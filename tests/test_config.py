@@ -11,7 +11,7 @@ from container.config import (
     build, collect_raw, count_gpus, resolve, resolve_port, resolve_tensor_parallel, select_engine,
 )
 from container.keys import ConfigError, memory_amount, memory_bytes
-from engines.models.spec import ModelSpec
+from engines.spec import ModelSpec
 from engines.config import LmiConfig
 
 LLAMA = "LlamaForCausalLM"
@@ -337,7 +337,7 @@ CASES = [
                  "parallel.use_mpi": False, "parallel.tensor_parallel_degree": 1, "server.port": 8123,
                  "scheduler.batch_size": 1, "scheduler.job_queue_size": 1000, "scheduler.max_num_seqs": 32,
                  "scheduler.max_num_batched_tokens": 1024, "scheduler.kv_cache_memory": None}),
-    # the dtype policy (engines/precision.py; every case in tests/test_precision.py)
+    # the dtype policy (engines/devices.py; every case in tests/test_precision.py)
     case("build-gpu-dtype", {}, {}, build=GPU1, engine="paged", fields={"model.dtype": "bf16"}),
     case("build-gpu-no-bf16", {}, {}, build={**GPU1, "gpu_bf16": False}, fields={"model.dtype": "fp16"}),
     case("build-avx2-cpu-dtype", {}, {}, build=AVX2_CPU2, fields={"model.dtype": "fp32"}),

@@ -54,7 +54,7 @@ def engine_pids(copy_dir_name: str) -> list[int]:
                 cmd = open(f"/proc/{entry}/cmdline", "rb").read().decode(errors="ignore")
             except OSError:
                 continue
-            if "engines.serve" in cmd and re.search(rf"{copy_dir_name}\x00?$", cmd.rstrip("\x00")):
+            if "engines.process.serve" in cmd and re.search(rf"{copy_dir_name}\x00?$", cmd.rstrip("\x00")):
                 pids.append(int(entry))
     return pids
 

@@ -14,7 +14,8 @@ import sys
 import pytest
 import torch
 
-from engines.attention.base import LayerOptions, select_backend
+from engines.attention.step import LayerOptions
+from engines.attention.registry import select_backend
 from engines.attention.cpu_backend import CpuPagedBackend
 from engines.attention.torch_backend import TorchPagedBackend, decode_attention
 from engines.kernels import cpu_attention

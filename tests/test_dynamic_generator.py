@@ -7,7 +7,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from engines.config import ModelConfig
-from engines.models.spec import ModelSpec
+from engines.spec import ModelSpec
 from engines.dynamic.generator import HFGenerator
 from engines.protocol import Add
 from engines.sampling_params import SamplingParams

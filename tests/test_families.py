@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from container.model_maker import make_model
 from engines.models.registry import fallback_reason, paged_fallback
-from engines.models.spec import ModelSpec
+from engines.spec import ModelSpec
 from engines.sampling_params import SamplingParams
 from tests.support import drive_engine, local_engine, output_tokens, run_tp2_job
 

@@ -10,12 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engines.attention.base import ForwardBatch, SeqChunk, select_backend
+from engines.attention.step import ForwardBatch, SeqChunk
+from engines.attention.registry import select_backend
 from engines.attention.flex_backend import PREFILL_ROW, FlexPagedBackend
 from engines.attention.torch_backend import TorchPagedBackend
 from engines.sampling_params import SamplingParams
 from engines.worker import paged_runner
-from engines.worker.paged_engine import PagedEngine
+from engines.loop.paged_engine import PagedEngine
 from engines.worker.step_buffers import StepBuffers
 from tests.support import (
     compare_backends_over_mixed_steps,

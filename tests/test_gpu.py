@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engines.models.spec import ModelSpec
-from engines.attention.base import LayerOptions, flash_attn_available
+from engines.spec import ModelSpec
+from engines.attention.step import LayerOptions
+from engines.attention.registry import flash_attn_available
 from engines.config import ModelConfig
 from engines.core.plan import NewRequest, StepPlan
 from engines.sampling_params import SamplingParams
@@ -81,7 +82,7 @@ def test_cuda_kv_cache_leaves_the_profiled_activation_peak_free(tiny_model):
     """The paged engine sizes its cache after a profiling forward: with gpu_memory_utilization=0.5,
     half the GPU is in use once the cache is allocated (weights, context, cache), within 2%."""
     from engines.config import LmiConfig, SchedulerConfig
-    from engines.worker.paged_engine import PagedEngine
+    from engines.loop.paged_engine import PagedEngine
 
     config = LmiConfig(model=ModelConfig(local_dir=str(tiny_model), dtype="fp16"),
                        scheduler=SchedulerConfig(gpu_memory_utilization=0.5))
@@ -94,7 +95,7 @@ def test_cuda_kv_cache_leaves_the_profiled_activation_peak_free(tiny_model):
 
 def _paged_engine(tiny_model, **sched):
     from engines.config import ENGINE_PAGED, LmiConfig, SchedulerConfig
-    from engines.worker.paged_engine import PagedEngine
+    from engines.loop.paged_engine import PagedEngine
 
     sched = {"max_num_seqs": 8, "gpu_memory_utilization": 0.3, **sched}
     config = LmiConfig(model=ModelConfig(local_dir=str(tiny_model), dtype="fp32"),
@@ -106,7 +107,7 @@ def _paged_engine(tiny_model, **sched):
 
 def test_decode_cuda_graph_replay_equals_the_eager_step(tiny_model):
     """Each bucket's graph against the eager model on the same buffers, cache contents and inputs."""
-    from engines.attention.base import ForwardBatch, SeqChunk
+    from engines.attention.step import ForwardBatch, SeqChunk
 
     engine = _paged_engine(tiny_model)
     paged = engine.paged.target

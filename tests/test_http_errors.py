@@ -14,8 +14,9 @@ import time
 import pytest
 
 from engines.config import ENGINE_DYNAMIC, LmiConfig, ModelConfig, SchedulerConfig
-from engines.endpoint import EngineEndpoint
-from engines.protocol import STATE_LOADING, STATE_READY, Abort, HealthReply, Output, engine_socket_path
+from engines.process.endpoint import EngineEndpoint
+from engines.protocol import STATE_LOADING, STATE_READY, Abort, HealthReply, Output
+from engines.process.rundir import engine_socket_path
 from handlers.app import PING_SNAPSHOT_AGE_S, Service, build_app
 from handlers.engine_client import EngineClient
 from handlers.tokenizer import TextTokenizer

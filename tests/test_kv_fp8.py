@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from container.config import ConfigError, build, resolve
-from engines.attention.base import select_backend
+from engines.attention.registry import select_backend
 from engines.attention.torch_backend import TorchPagedBackend
 from engines.sampling_params import SamplingParams
 from tests.support import compare_backends_over_mixed_steps, drive_engine, local_engine, output_tokens
@@ -103,7 +103,7 @@ def test_an_fp8_cache_outside_the_paged_engine_or_its_torch_backend_is_refused(t
 
 def test_plan_counts_one_byte_per_kv_value(tiny_model) -> None:
     from container.planner import read_model_shape
-    from engines.memory_plan import Machine, Workload, plan
+    from engines.weights.memory_plan import Machine, Workload, plan
 
     shape = read_model_shape(str(tiny_model))
     machine = Machine("cpu", 0, 8 * 2**30)

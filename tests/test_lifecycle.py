@@ -68,7 +68,7 @@ def _alive(pids: list[int]) -> list[int]:
 
 
 def _engine_pid(launcher_pid: int) -> int:
-    (pid,) = [p for p in _children(launcher_pid) if "engines.serve" in _cmdline(p)]
+    (pid,) = [p for p in _children(launcher_pid) if "engines.process.serve" in _cmdline(p)]
     return pid
 
 

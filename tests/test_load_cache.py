@@ -9,9 +9,9 @@ import shutil
 import pytest
 import torch
 
-from engines.models.spec import ModelSpec
+from engines.spec import ModelSpec
 from engines.config import ModelConfig
-from engines.load_cache import ALIGN, cache_paths
+from engines.weights.load_cache import ALIGN, cache_paths
 from engines.worker.model_runner import ModelRunner
 
 PROMPTS = [[1, 5, 6, 7, 8, 9], [1, 20, 21]]
@@ -39,7 +39,7 @@ def model_copy(tiny_model, tmp_path):
 
 
 def messages(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "engines.loader"]
+    return [r.getMessage() for r in caplog.records if r.name == "engines.weights.loader"]
 
 
 def test_first_load_writes_the_cache_and_the_next_reads_it(model_copy, tmp_path, caplog):
@@ -117,7 +117,7 @@ def test_a_server_restarted_with_a_load_cache_reads_it(tiny_model, tmp_path, sta
 
 
 def test_pieces_are_checked_one_by_one_and_a_bad_piece_names_its_tensors(model_copy, tmp_path, caplog, monkeypatch):
-    from engines import load_cache
+    from engines.weights import load_cache
 
     monkeypatch.setattr(load_cache, "CHUNK", 64 << 10)  # the tiny model's 0.8 MB file in 13 pieces
     reference = load(model_copy, tmp_path / "cache")
@@ -170,7 +170,7 @@ def test_a_cache_in_the_previous_format_is_rebuilt(model_copy, tmp_path, caplog)
 def test_the_cache_loads_to_cuda_through_pinned_staging_buffers(model_copy, tmp_path, monkeypatch):
     import copy
 
-    from engines import load_cache
+    from engines.weights import load_cache
 
     monkeypatch.setattr(load_cache, "STAGING_BYTES", 4096)  # many round trips through both buffers
     reference = load(model_copy, tmp_path / "cache")

@@ -183,7 +183,7 @@ def test_a_batch_mixing_the_base_model_and_three_adapters_gives_peft_greedy_toke
     sched = dict(sched)
     if sched.pop("graphs", False):
         from engines.worker import paged_runner
-        from engines.worker.paged_engine import PagedEngine
+        from engines.loop.paged_engine import PagedEngine
         from engines.worker.step_buffers import StepBuffers
 
         monkeypatch.setattr(PagedEngine, "_decode_mode", lambda self: (paged_runner.DECODE_GRAPHS, "test"))

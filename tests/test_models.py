@@ -16,12 +16,12 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from container.model_maker import make_model
 from engines.dist import SingleProcess
-from engines.loader import build_model, checkpoint_files
+from engines.weights.loader import build_model, checkpoint_files
 from engines.models.gemma import GemmaForCausalLM
 from engines.models.llama import LlamaForCausalLM
 from engines.models.moe import MoeForCausalLM, SparseMoE
 from engines.models.registry import NATIVE, fallback_reason, model_class
-from engines.models.spec import ModelSpec
+from engines.spec import ModelSpec
 from engines.worker.padded_cache import GROW, PaddedKVCache
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from engines.config import ENGINE_PAGED, LmiConfig, ModelConfig, SchedulerConfig, ServerConfig
-from engines.protocol import engine_socket_path
+from engines.process.rundir import engine_socket_path
 from handlers.app import Service, build_app
 from handlers.chat_template import ChatTemplate
 from handlers.engine_client import EngineClient

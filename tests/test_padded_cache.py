@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engines.models.spec import ModelSpec
+from engines.spec import ModelSpec
 from engines.config import ModelConfig
 from engines.worker.model_runner import ModelRunner
-from engines.attention.base import LayerOptions
+from engines.attention.step import LayerOptions
 from engines.worker.padded_cache import GROW, PaddedKVCache
 
 LAYERS, HEADS, DIM = 2, 2, 4

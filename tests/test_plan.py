@@ -14,7 +14,7 @@ import pytest
 
 from container.instances import instance
 from container.planner import estimate_parameters, read_model_shape
-from engines.memory_plan import GIB, Machine, Workload, plan
+from engines.weights.memory_plan import GIB, Machine, Workload, plan
 from tests.test_cli import lmi
 
 LLAMA = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=32000, max_position_embeddings=4096,

@@ -1,12 +1,12 @@
-"""The dtype policy (engines/precision.py): every (device, checkpoint dtype, CPU flags) case, and the
+"""The dtype policy (engines/devices.py): every (device, checkpoint dtype, CPU flags) case, and the
 CPU flags reader."""
 
 from __future__ import annotations
 
 import pytest
 
-from engines import precision
-from engines.precision import checkpoint_dtype, choose_dtype, describe_cpu, has_native_bf16
+from engines import devices
+from engines.devices import checkpoint_dtype, choose_dtype, describe_cpu, has_native_bf16
 
 AVX2 = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c"})  # the AMD EPYC hosts without AVX-512
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}  # Skylake / Cascade Lake: no bf16
@@ -63,13 +63,13 @@ def test_cpu_flags_reads_the_x86_and_the_arm_line(tmp_path, monkeypatch) -> None
         path.write_text(text)
         monkeypatch.setattr(builtins, "open", lambda name, *a, **k: real_open(path if name == "/proc/cpuinfo" else name,
                                                                              *a, **k))
-        precision.cpu_flags.cache_clear()
+        devices.cpu_flags.cache_clear()
         try:
-            assert precision.cpu_flags() == expect
+            assert devices.cpu_flags() == expect
         finally:
             monkeypatch.setattr(builtins, "open", real_open)
-            precision.cpu_flags.cache_clear()
-    assert has_native_bf16(precision.cpu_flags()) == any(f in precision.cpu_flags() for f in ("avx512_bf16", "amx_bf16",
+            devices.cpu_flags.cache_clear()
+    assert has_native_bf16(devices.cpu_flags()) == any(f in devices.cpu_flags() for f in ("avx512_bf16", "amx_bf16",
                                                                                              "bf16"))
 
 

@@ -41,9 +41,9 @@ def run(engine, requests: list[tuple[str, list[int], SamplingParams]]) -> dict:
 
 def make(kind: str, tiny_model, kv_cache_memory: str = "4MiB", **sched):
     if kind == ENGINE_PAGED:
-        from engines.worker.paged_engine import PagedEngine as cls
+        from engines.loop.paged_engine import PagedEngine as cls
     else:
-        from engines.worker.rolling_engine import RollingEngine as cls
+        from engines.loop.rolling_engine import RollingEngine as cls
     config = LmiConfig(model=ModelConfig(local_dir=str(tiny_model), dtype="fp32"),
                        scheduler=SchedulerConfig(engine_kind=kind, kv_cache_memory=kv_cache_memory, **sched))
     engine = cls(config, lambda outs: None, SingleProcess())

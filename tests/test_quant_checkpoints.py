@@ -1,4 +1,4 @@
-"""Pre-quantised checkpoints (engines/quant_checkpoint.py, engines/quant_load.py): each format of the tiny
+"""Pre-quantised checkpoints (engines/weights/quant_checkpoint.py, engines/weights/quant_load.py): each format of the tiny
 model (tests/quant_ckpt.py writes them) served by our engines gives the greedy tokens of its oracle:
 transformers itself on the same file for compressed-tensors (it decompresses them), and for GPTQ, AWQ
 and fp8 (whose libraries do not install here) transformers on the checkpoint dequantised by the plain
@@ -216,7 +216,7 @@ def test_asymmetric_compressed_tensors_match_the_librarys_own_decompression(tiny
 
 
 def test_refusals_name_what_runs_instead(tiny_model, checkpoints, tmp_path) -> None:
-    from engines.quant_checkpoint import read_checkpoint_quant
+    from engines.weights.quant_checkpoint import read_checkpoint_quant
 
     with pytest.raises(ValueError, match=r"pre-quantised with bitsandbytes' NF4/FP4/int8 layouts .* does not load; "
                                          r"serve the unquantised"):
@@ -234,7 +234,7 @@ def test_refusals_name_what_runs_instead(tiny_model, checkpoints, tmp_path) -> N
 
 
 def test_a_tp_shard_inside_a_group_is_refused() -> None:
-    from engines.quant_load import _group_columns
+    from engines.weights.quant_load import _group_columns
 
     scales = torch.ones(8, 4)  # 4 groups of 32 inputs
     assert _group_columns(scales, (slice(0, 8), slice(64, 128)), 32, "x").shape == (8, 2)
@@ -244,7 +244,7 @@ def test_a_tp_shard_inside_a_group_is_refused() -> None:
 
 def test_a_shard_the_int4_kernel_cannot_take_is_dequantised_alone() -> None:
     from engines.layers.quant_formats import dequantize
-    from engines.quant_load import pack_shard
+    from engines.weights.quant_load import pack_shard
 
     torch.manual_seed(3)
     q = torch.randint(0, 16, (40, 64), dtype=torch.uint8)  # 40 outputs: not a multiple of 16

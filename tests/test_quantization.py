@@ -163,7 +163,7 @@ def test_quantize_linears_swaps_the_weights_in_place(method) -> None:
     error = ((after - before).norm() / before.norm()).item()
     seven_bits = method == "int8_dynamic" and model.qkv.weight.reduce_range  # half the activations' resolution
     assert error < (0.15 if method == "int4" else 0.04 if seven_bits else 0.02), error
-    from engines.loader import parameter_bytes
+    from engines.weights.loader import parameter_bytes
 
     # int8: 1 byte a weight + an fp32 scale a row (int8_dynamic's are fp32 whatever the dtype); int4: ½ + scale and zero
     assert parameter_bytes(model.o) == (64 * 32 + 2 * 2 * 64 * 4 if method == "int4" else 64 * 64 + 64 * 4)

@@ -18,8 +18,9 @@ import pytest
 import requests
 
 from engines.config import ENGINE_PAGED, LmiConfig, ModelConfig, SchedulerConfig
-from engines.endpoint import EngineEndpoint
-from engines.protocol import STATE_LOADING, Abort, Add, HealthReply, Output, engine_socket_path
+from engines.process.endpoint import EngineEndpoint
+from engines.protocol import STATE_LOADING, Abort, Add, HealthReply, Output
+from engines.process.rundir import engine_socket_path
 from engines.sampling_params import SamplingParams
 from handlers.engine_client import EngineClient
 from tests.support import ping, running_server, wait_for, wait_idle, wait_running
@@ -120,7 +121,7 @@ def test_the_same_request_id_twice_in_one_client_is_refused():
 
 def test_an_abort_right_behind_its_add_while_loading_is_never_overtaken(tiny_model):
     from engines.dist import SingleProcess
-    from engines.serve import EngineProcess
+    from engines.process.serve import EngineProcess
 
     config = LmiConfig(model=ModelConfig(local_dir=str(tiny_model)))
     proc = EngineProcess(config, tempfile.mkdtemp(), SingleProcess())
@@ -143,7 +144,7 @@ def test_an_abort_right_behind_its_add_while_loading_is_never_overtaken(tiny_mod
 
 def test_out_of_memory_in_a_step_is_logged_with_the_request_ids(caplog):
     from engines.dist import SingleProcess
-    from engines.worker.engine_loop import EngineLoop
+    from engines.loop.engine_loop import EngineLoop
 
     class Loop(EngineLoop):
         num_waiting = 0
@@ -159,7 +160,7 @@ def test_out_of_memory_in_a_step_is_logged_with_the_request_ids(caplog):
 
 def test_health_is_a_snapshot_measured_on_the_loop_thread(tiny_model):
     from engines.dist import SingleProcess
-    from engines.worker.paged_engine import PagedEngine
+    from engines.loop.paged_engine import PagedEngine
 
     config = LmiConfig(model=ModelConfig(local_dir=str(tiny_model), dtype="fp32"),
                        scheduler=SchedulerConfig(engine_kind=ENGINE_PAGED, kv_cache_memory="4MiB"))

@@ -12,7 +12,7 @@ import torch
 
 from engines.protocol import Add, Output
 from engines.sampling_params import SamplingParams
-from engines.worker.paged_engine import PagedEngine
+from engines.loop.paged_engine import PagedEngine
 from engines.worker.sampler import Sampler
 from tests.support import paged_engine as make_engine
 from tests.support import drive_engine, output_tokens

@@ -9,13 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engines.attention.base import LayerOptions
+from engines.attention.step import LayerOptions
 from engines.config import SchedulerConfig
 from engines.core.modes import scheduling_mode
 from engines.layers.fused import FusedOps
 from engines.sampling_params import SamplingParams
 from engines.worker import paged_runner
-from engines.worker.paged_engine import PagedEngine
+from engines.loop.paged_engine import PagedEngine
 from engines.worker.step_buffers import StepBuffers
 from engines.worker.step_graphs import StepGraphs
 from tests.support import paged_engine as make_engine

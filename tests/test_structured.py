@@ -113,7 +113,7 @@ def test_constrained_and_free_rows_in_one_batch_give_the_from_scratch_oracles_to
 def test_dynamic_batching_constrains_every_row_of_a_batch(tiny_model, oracle):
     from engines.config import ModelConfig
     from engines.dynamic.generator import HFGenerator
-    from engines.models.spec import ModelSpec
+    from engines.spec import ModelSpec
     from engines.protocol import Add
 
     config = ModelConfig(local_dir=str(tiny_model), dtype="fp32")

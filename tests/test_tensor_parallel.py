@@ -38,7 +38,7 @@ def model(request, tmp_path_factory):
 
 def single_rank_tokens(model_dir, kind: str, prompt: list[int], params: SamplingParams) -> list[int]:
     """The same request through the same engine at TP=1, in this process."""
-    from engines.serve import build_engine
+    from engines.process.serve import build_engine
     from engines.dist import SingleProcess
 
     config = LmiConfig(model=ModelConfig(local_dir=str(model_dir), dtype="fp32"),
@@ -96,7 +96,7 @@ def test_tp2_with_compiled_decode_steps_equals_hf(tiny_model, start_server, hf):
 def _rank_pids(launcher_pid: int) -> dict[int, int]:
     ranks = {}
     for pid in _descendants(launcher_pid):
-        if "engines.serve" not in _cmdline(pid):
+        if "engines.process.serve" not in _cmdline(pid):
             continue
         try:
             with open(f"/proc/{pid}/environ", "rb") as f:
@@ -145,10 +145,10 @@ def test_a_failed_step_at_tp2_turns_ping_503_at_once_and_stops_the_server(tiny_m
     """A step that fails on rank 0 leaves the ranks out of step: the engine must say so and go down,
     not keep answering /ping 200 until the watchdog fires."""
     from handlers.engine_client import EngineClient
-    from engines.protocol import engine_socket_path
+    from engines.process.rundir import engine_socket_path
 
     server = start_server(properties("lmi-dist"), tiny_model)
-    (engine,) = [p for p in _descendants(server.proc.pid) if "engines.serve" in _cmdline(p)
+    (engine,) = [p for p in _descendants(server.proc.pid) if "engines.process.serve" in _cmdline(p)
                  and "mpirun" not in _cmdline(p).split()[0]][:1]
     run_dir = _cmdline(engine).split("--run-dir ", 1)[1].split()[0]
     # sampling fails on rank 0 only (top_n_tokens beyond the vocabulary), after rank 1 ran the forward

@@ -24,9 +24,9 @@ def main(out_path: str, prompts_path: str, model_dirs: list[str]) -> None:
     from engines.dist import make_communicator, rank_info
     from engines.protocol import ADAPTER_REGISTER, AdapterCommand
     from engines.sampling_params import SamplingParams
-    from engines.serve import run_shard
-    from engines.worker.paged_engine import PagedEngine
-    from engines.worker.rolling_engine import RollingEngine
+    from engines.process.serve import run_shard
+    from engines.loop.paged_engine import PagedEngine
+    from engines.loop.rolling_engine import RollingEngine
     from tests.support import drive_engine, output_tokens
 
     with open(prompts_path, encoding="utf-8") as f:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from engines.attention.base import LayerOptions
+from engines.attention.step import LayerOptions
 from engines.attention.torch_backend import TorchPagedBackend, decode_attention
 from engines.kernels import cpu_attention
 

@@ -16,7 +16,8 @@ from typing import NamedTuple
 
 import torch
 
-from engines.attention.base import AttentionBackend, StepView
+from engines.attention.base import AttentionBackend
+from engines.attention.step import StepView
 
 BLOCK_SIZE = 256
 

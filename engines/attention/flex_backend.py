@@ -55,13 +55,9 @@ from typing import NamedTuple
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from engines.attention.base import (
-    AttentionBackend,
-    StepView,
-    bucket,
-    to_device,
-    token_buckets,
-)
+from engines.attention.base import AttentionBackend
+from engines.attention.step import StepView, bucket, token_buckets
+from engines.devices import to_device
 from engines.attention.torch_backend import store_kv
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,9 @@ from typing import NamedTuple
 
 import torch
 
-from engines.attention.base import AttentionBackend, LayerOptions, StepView, bucket, to_device
+from engines.attention.base import AttentionBackend
+from engines.attention.step import LayerOptions, StepView, bucket
+from engines.devices import to_device
 from engines.layers.attention import masked_attention, softcap
 
 

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from engines.attention.base import StepView
+from engines.attention.step import StepView
 from engines.attention.torch_backend import TorchPagedBackend, store_kv
 
 

@@ -8,7 +8,7 @@ decoding requests, which the target model then verifies in one forward (paged en
 `prompt_lookup_max` down to `prompt_lookup_min`, are looked up earlier in the same tokens; what
 followed the latest earlier match is the guess. It costs no model, and pays when outputs copy their
 input (summaries, code edits, "repeat this list"). The draft-model proposer lives with the workers
-(engines/worker/draft.py): it needs torch.
+(engines/loop/draft.py): it needs torch.
 """
 
 from __future__ import annotations

@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from engines.models.spec import ModelSpec
+from engines.spec import ModelSpec
 from engines.config import LmiConfig
 from engines.protocol import Abort, AdapterCommand, AdapterReply, Add, HealthReply, Output
 from engines.sampling_params import SamplingParams
-from engines.errors import is_out_of_memory
+from engines.process.errors import is_out_of_memory
 
 log = logging.getLogger(__name__)
 

@@ -9,9 +9,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engines.config import ModelConfig
-from engines.loader import parameter_bytes, torch_dtype
-from engines.models.spec import ModelSpec
-from engines.startup import TIMELINE, throughput
+from engines.weights.loader import parameter_bytes, torch_dtype
+from engines.spec import ModelSpec
+from engines.process.startup import TIMELINE, throughput
 from engines.protocol import FINISH_EOS, FINISH_LENGTH, Add, Output
 from engines.sampling_params import SamplingParams
 from engines.worker.grammar import Grammars, apply_bitmask, bitmask_width, fill_row

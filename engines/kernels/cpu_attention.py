@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from engines.precision import cpu_flags
+from engines.devices import cpu_flags
 
 log = logging.getLogger(__name__)
 

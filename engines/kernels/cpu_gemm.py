@@ -15,7 +15,7 @@ import functools
 import torch
 
 from engines.kernels import cpu_attention
-from engines.precision import cpu_flags
+from engines.devices import cpu_flags
 
 
 SOURCE = cpu_attention.SOURCE.with_name("cpu_gemm.c")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from engines.kernels import cpu_attention
-from engines.precision import cpu_flags
+from engines.devices import cpu_flags
 
 
 SOURCE = cpu_attention.SOURCE.with_name("cpu_qlinear.c")

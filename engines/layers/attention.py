@@ -16,7 +16,7 @@ from engines.dist import Communicator
 from engines.layers.linear import ColumnParallelLinear, RowParallelLinear
 from engines.layers.norm import RMSNorm
 from engines.layers.rotary import RotaryEmbedding
-from engines.memory_plan import local_kv_heads
+from engines.spec import local_kv_heads
 
 
 class AttentionBackend(Protocol):

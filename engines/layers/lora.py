@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from engines.attention.base import to_device
+from engines.devices import to_device
 from engines.kernels import cpu_lora
 
 # HF module name → (owner, our module, fused part or None)

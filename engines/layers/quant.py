@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from engines.kernels import cpu_qlinear
-from engines.precision import cpu_flags
+from engines.devices import cpu_flags
 from engines.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""Decoders of pre-quantised checkpoint tensors (engines/quant_checkpoint.py names the formats): one
+"""Decoders of pre-quantised checkpoint tensors (engines/weights/quant_checkpoint.py names the formats): one
 checkpoint linear's tensors → `Decoded`, the common form every format reads as,
 
     W[o, i] = (q[o, i] − z[o, i // g]) · s[o, i // g]        (fp8: z = 0, q the fp8 value)
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:  # the layers import nothing above them; the loader hands the description down
-    from engines.quant_checkpoint import CheckpointQuant
+    from engines.weights.quant_checkpoint import CheckpointQuant
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the output each nibble of an AWQ word holds, nibble 0 first
 

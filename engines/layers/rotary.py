@@ -26,7 +26,7 @@ from torch import nn
 
 from engines.kernels.torch_ops import rotary_tables
 from engines.layers.fused import ops
-from engines.models.spec import RopeSpec
+from engines.spec import RopeSpec
 
 def default_inv_freq(theta: float, dim: int) -> torch.Tensor:
     return 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)

@@ -18,7 +18,7 @@ from torch import nn
 from engines.dist import Communicator
 from engines.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engines.layers.rotary import RotaryEmbedding
-from engines.models.spec import ModelSpec
+from engines.spec import ModelSpec
 
 
 class MissingLayer(nn.Module):

@@ -11,7 +11,7 @@ checkpoints (Falcon-RW) run on the fallback (engines/models/registry.py).
 from __future__ import annotations
 
 from engines.models.neox import GPTNeoXForCausalLM
-from engines.models.spec import ModelSpec
+from engines.spec import ModelSpec
 
 # checkpoint module ("*": the layer index) → ours, under the model or under layers[i]
 FALCON_NAMES = {

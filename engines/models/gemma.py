@@ -19,7 +19,7 @@ from engines.layers.fused import ops
 from engines.layers.norm import RMSNorm
 from engines.layers.rotary import RotaryEmbedding
 from engines.models.llama import MLP, LlamaForCausalLM
-from engines.models.spec import ModelSpec
+from engines.spec import ModelSpec
 
 
 class GemmaMLP(MLP):

@@ -18,7 +18,7 @@ from engines.layers.linear import ColumnParallelLinear, RowParallelLinear, Slice
 from engines.layers.norm import RMSNorm
 from engines.layers.rotary import RotaryEmbedding
 from engines.models.base import CausalLM
-from engines.models.spec import ModelSpec
+from engines.spec import ModelSpec
 
 
 class MLP(nn.Module):

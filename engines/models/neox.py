@@ -24,7 +24,7 @@ from engines.layers.norm import LayerNorm
 from engines.layers.rotary import RotaryEmbedding
 from engines.models.registry import GELU_APPROXIMATE
 from engines.models.base import CausalLM
-from engines.models.spec import ModelSpec
+from engines.spec import ModelSpec
 
 # checkpoint module ("*": the layer index) → ours, under the model or under layers[i]
 NEOX_NAMES = {

@@ -15,7 +15,7 @@ import importlib.util
 import os
 from typing import Callable, NamedTuple
 
-from engines.models.spec import ModelSpec
+from engines.spec import ModelSpec
 
 ROPE_KINDS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 

@@ -24,7 +24,7 @@ import math
 import torch
 from torch import nn
 
-from engines.attention.base import LayerOptions
+from engines.attention.step import LayerOptions
 
 ATTN_IMPLEMENTATION = "lmi"
 

@@ -13,17 +13,19 @@ import time
 from typing import Sequence
 
 import torch
-from engines.attention.base import LayerOptions, kv_storage_dtype, triton_runs
+from engines.attention.base import kv_storage_dtype
+from engines.attention.step import LayerOptions
+from engines.attention.registry import triton_runs
 from engines.config import ModelConfig, lora_sources
 from engines.dist import Communicator, SingleProcess
 from engines.layers.fused import FusedOps
 from engines.layers.cpu_linear import choose_cpu_linear, describe as describe_cpu_linear
 from engines.layers.quant import METHODS as QUANTIZE_AT_LOAD, quantize_linears
-from engines.quant_checkpoint import check_quantize_option, read_checkpoint_quant
-from engines.loader import build_model, parameter_bytes, torch_dtype
-from engines.startup import TIMELINE, throughput
+from engines.weights.quant_checkpoint import check_quantize_option, read_checkpoint_quant
+from engines.weights.loader import build_model, parameter_bytes, torch_dtype
+from engines.process.startup import TIMELINE, throughput
 from engines.models.registry import attention_interface_supported, fallback_reason, model_class
-from engines.models.spec import ModelSpec
+from engines.spec import ModelSpec
 from engines.worker.padded_cache import GROW, PaddedKVCache
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from engines.attention.base import LayerOptions, layer_options
+from engines.attention.step import LayerOptions, layer_options
 from engines.layers.attention import attention
 
 GROW = 64  # columns of headroom added whenever the capacity runs out

@@ -28,7 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engines.attention.base import AttentionBackend, ForwardBatch, SeqChunk, select_backend
+from engines.attention.base import AttentionBackend
+from engines.attention.step import ForwardBatch, SeqChunk
+from engines.attention.registry import select_backend
 from engines.core.plan import StepPlan
 from engines.worker.model_runner import ModelRunner
 from engines.worker.grammar import Grammars

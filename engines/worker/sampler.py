@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engines.attention.base import to_device
+from engines.devices import to_device
 from engines.sampling_params import SamplingParams
 from engines.worker.grammar import Grammars, apply_bitmask
 

@@ -34,7 +34,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engines.attention.base import ForwardBatch, StepView, bucket, to_device, token_buckets
+from engines.attention.step import ForwardBatch, StepView, bucket, token_buckets
+from engines.devices import to_device
 
 
 class _Buffers:

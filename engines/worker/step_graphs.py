@@ -18,7 +18,8 @@ from collections.abc import Callable
 
 import torch
 
-from engines.attention.base import AttentionBackend, StepView
+from engines.attention.base import AttentionBackend
+from engines.attention.step import StepView
 from engines.worker.step_buffers import StepBuffers
 
 log = logging.getLogger(__name__)

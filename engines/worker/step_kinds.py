@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engines.attention.base import ForwardBatch, SeqChunk
+from engines.attention.step import ForwardBatch, SeqChunk
 from engines.core.plan import StepPlan
 from engines.worker.sampler import SampleResult
 from engines.worker.step_output import HostCopy, PendingStep

@@ -1,7 +1,7 @@
 """Pre-quantised checkpoints: what config.json's `quantization_config` says, read once, checked once.
 
 Pure Python (no torch): the launcher checks `option.quantize` against it, the planner counts its
-bytes, the loader (engines/quant_load.py) decodes the tensors it names.
+bytes, the loader (engines/weights/quant_load.py) decodes the tensors it names.
 
     GPTQ                 qweight int32 [in·b/32, out], qzeros int32 [groups, out·b/32], scales [groups, out], g_idx [in]
     AWQ (gemm)           qweight int32 [in, out/8] (nibbles in order 0 2 4 6 1 3 5 7), qzeros [groups, out/8], scales
@@ -136,7 +136,7 @@ def is_fp8(quant: CheckpointQuant) -> bool:
 
 def dequantize_reason(quant: CheckpointQuant, device_type: str, is_bf16: bool) -> str | None:
     """Why this checkpoint's weights dequantise to the model dtype on load (no packed kernel for them
-    on `device_type`); None: they load packed (engines/quant_load.py)."""
+    on `device_type`); None: they load packed (engines/weights/quant_load.py)."""
     if is_fp8(quant):
         from engines.layers.quant import Fp8Policy
 

@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from engines import load_cache, quant_load
-from engines.quant_checkpoint import read_checkpoint_quant
+from engines.weights import load_cache, quant_load
+from engines.weights.quant_checkpoint import read_checkpoint_quant
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ def build_model(cls, spec, model_dir: str, comm, dtype: torch.dtype, device: tor
 
 
 def _fill_from_checkpoint(model, files: list[str], rank: int, progress: bool, quant=None, dtype=None) -> None:
-    """quant: a pre-quantised checkpoint's format (engines/quant_load.py): its quantised linears are
+    """quant: a pre-quantised checkpoint's format (engines/weights/quant_load.py): its quantised linears are
     packed first, before the linears' own weights are ever touched; those no kernel takes load last,
     dequantised."""
     from tqdm import tqdm

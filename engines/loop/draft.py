@@ -18,14 +18,14 @@ import logging
 
 import torch
 
-from engines.attention.base import ForwardBatch, SeqChunk
+from engines.attention.step import ForwardBatch, SeqChunk
 from engines.config import ModelConfig
 from engines.core.block_manager import BlockManager
 from engines.core.request import Request
 from engines.dist import SingleProcess
 from engines.sampling_params import SamplingParams
 from engines.models.registry import fallback_reason
-from engines.models.spec import ModelSpec
+from engines.spec import ModelSpec
 from engines.worker.model_runner import ModelRunner
 from engines.worker.paged_runner import PagedRunner
 

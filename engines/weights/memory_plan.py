@@ -21,7 +21,8 @@ import math
 import os
 from dataclasses import dataclass
 
-from engines.quant_checkpoint import CheckpointQuant, dequantize_reason, packed_bytes_per_weight
+from engines.spec import local_kv_heads
+from engines.weights.quant_checkpoint import CheckpointQuant, dequantize_reason, packed_bytes_per_weight
 
 GIB = 2**30
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
@@ -32,17 +33,6 @@ TP_DEGREES = (1, 2, 4, 8)
 LOGITS_COPIES = 2  # gathered logits and the sampler's processed copy, float32
 QUANT_WEIGHT_BYTES = {"int8": 1.0, "int8_dynamic": 1.0, "int4": 0.5, "fp8": 1.0}  # option.quantize: bytes per linear weight, before scales
 INT4_GROUP_SIZE = 32  # engines/layers/quant.py's (no torch here)
-
-
-def local_kv_heads(num_kv_heads: int, world_size: int) -> tuple[int, bool]:
-    """KV heads per rank, and whether they are replicated (fewer KV heads than ranks)."""
-    if num_kv_heads >= world_size:
-        if num_kv_heads % world_size:
-            raise ValueError(f"{num_kv_heads} KV heads do not split over {world_size} ranks")
-        return num_kv_heads // world_size, False
-    if world_size % num_kv_heads:
-        raise ValueError(f"{world_size} ranks do not share {num_kv_heads} KV heads evenly")
-    return 1, True
 
 
 @dataclass(frozen=True)
@@ -135,7 +125,7 @@ class Workload:
     quantize: str | None = None  # option.quantize: int8 | int4 (weight-only, the decoder's linears)
     kv_cache_dtype: str = "auto"  # option.kv_cache_dtype: auto (the model dtype) | fp8 | fp8_e4m3 | fp8_e5m2
     is_paged: bool = True
-    dtype_why: str = ""  # why this dtype (engines/precision.py), for the plan's table
+    dtype_why: str = ""  # why this dtype (engines/devices.py), for the plan's table
 
     @property
     def sequence_tokens(self) -> int:

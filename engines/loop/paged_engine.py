@@ -11,8 +11,8 @@ import logging
 
 import msgspec
 
-from engines.models.spec import ModelSpec
-from engines.attention.base import select_backend
+from engines.spec import ModelSpec
+from engines.attention.registry import select_backend
 from engines.config import LmiConfig, runner_model
 from engines.core.block_manager import BlockManager
 from engines.core.lora_slots import LoraSlots
@@ -21,17 +21,17 @@ from engines.core.plan import StepPlan
 from engines.core.request import Request
 from engines.core.scheduler import Scheduler
 from engines.core.spec import NgramProposer
-from engines.startup import TIMELINE
+from engines.process.startup import TIMELINE
 from engines.protocol import STATE_READY, Add, HealthReply, Output
 from engines.dist import SingleProcess
-from engines.worker.engine_loop import EngineLoop, kv_budget_bytes
-from engines.worker.lora_registry import LoraRegistry
+from engines.loop.engine_loop import EngineLoop, kv_budget_bytes
+from engines.loop.lora_registry import LoraRegistry
 from engines.worker.mirror import Allocate, Execute, Flush, Mirrored, WarmUp, WarmUpBuckets
 from engines.worker.model_runner import ModelRunner
 from engines.worker.paged_runner import DECODE_EAGER, DECODE_GRAPHS, DECODE_INDUCTOR, PagedRunner
 from engines.worker.sampler import PromptLogprobs
 from engines.worker.step_output import StepResult
-from engines.worker.steppers import PipelinedStepper, SpeculativeStepper, SyncStepper
+from engines.loop.steppers import PipelinedStepper, SpeculativeStepper, SyncStepper
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class PagedEngine(EngineLoop):
         self.mode = scheduling_mode(config.scheduler)  # ValueError: the launcher refused it already
         self._prompt = PromptLogprobBuffer()
         self._arrivals = 0
-        self.proposer = None  # speculative decoding (engines/core/spec.py, engines/worker/draft.py)
+        self.proposer = None  # speculative decoding (engines/core/spec.py, engines/loop/draft.py)
         self.spec = SpecStats()
         self.num_multi_steps = 0  # plans that ran more than one decode step
         self.stepper = None
@@ -93,7 +93,7 @@ class PagedEngine(EngineLoop):
                      sched.ngram_prompt_lookup_min, sched.ngram_prompt_lookup_max, k)
             return NgramProposer(k, sched.ngram_prompt_lookup_min, sched.ngram_prompt_lookup_max)
         if self.mode.speculative_method == "draft":
-            from engines.worker.draft import DraftProposer
+            from engines.loop.draft import DraftProposer
 
             draft = msgspec.structs.replace(self.config.model, local_dir=sched.speculative_model, model_id=None,
                                             load_cache_dir=None)

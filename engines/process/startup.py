@@ -1,7 +1,7 @@
 """The start-up timeline: one log line per phase with its duration, and the same figures in /metrics.
 
     launcher (container/cli.py):  imports → configuration → model_resolve   → <run dir>/startup.json
-    engine   (engines/serve.py):  engine_imports → weight_load → warm_up → kv_allocation → warm_up_buckets → ready
+    engine   (engines/process/serve.py):  engine_imports → weight_load → warm_up → kv_allocation → warm_up_buckets → ready
 
 The engine process reads the launcher's phases, adds its own, and hands the whole record out with
 its HEALTH replies, which its IO thread answers (the engine loop does nothing for it); each HTTP

@@ -204,3 +204,14 @@ def _windows(cfg: dict, num_layers: int) -> tuple[int | None, ...]:
         else:
             types = [SLIDING] * num_layers
     return tuple(int(window) if t == SLIDING else None for t in types[:num_layers])
+
+
+def local_kv_heads(num_kv_heads: int, world_size: int) -> tuple[int, bool]:
+    """KV heads per rank, and whether they are replicated (fewer KV heads than ranks)."""
+    if num_kv_heads >= world_size:
+        if num_kv_heads % world_size:
+            raise ValueError(f"{num_kv_heads} KV heads do not split over {world_size} ranks")
+        return num_kv_heads // world_size, False
+    if world_size % num_kv_heads:
+        raise ValueError(f"{world_size} ranks do not share {num_kv_heads} KV heads evenly")
+    return 1, True

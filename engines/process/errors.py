@@ -8,7 +8,7 @@ class FatalStepError(Exception):
 
 
 class HandlerError(RuntimeError):
-    """A custom handler could not start (engines/handler_engine.py): the reason is one line, the last of
+    """A custom handler could not start (engines/custom/handler_engine.py): the reason is one line, the last of
     its traceback."""
 
 

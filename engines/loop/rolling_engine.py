@@ -13,15 +13,15 @@ import logging
 
 import torch
 
-from engines.models.spec import ModelSpec
+from engines.spec import ModelSpec
 from engines.config import LmiConfig
 from engines.core.admission import AdmissionLimits, admit, fits_alone
 from engines.core.lora_slots import LoraSlots
 from engines.core.request import Request, Status
-from engines.startup import TIMELINE
+from engines.process.startup import TIMELINE
 from engines.protocol import FINISH_ABORT, STATE_READY, Add, HealthReply, Output
-from engines.worker.engine_loop import EngineLoop, kv_budget_bytes
-from engines.worker.lora_registry import LoraRegistry
+from engines.loop.engine_loop import EngineLoop, kv_budget_bytes
+from engines.loop.lora_registry import LoraRegistry
 from engines.dist import SingleProcess
 from engines.worker.mirror import Decode, Merge, Mirrored, Prefill, Retire, WarmUp
 from engines.worker.model_runner import ModelRunner

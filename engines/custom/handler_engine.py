@@ -24,7 +24,7 @@ import time
 import traceback
 
 from engines.config import LmiConfig
-from engines.errors import HandlerError
+from engines.process.errors import HandlerError
 from engines.protocol import Abort, AdapterCommand, AdapterReply, Add, HandlerCall, HandlerReply, HealthReply, Output
 
 log = logging.getLogger(__name__)

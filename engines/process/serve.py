@@ -1,4 +1,4 @@
-"""The engine process: `python -m engines.serve --run-dir DIR`.
+"""The engine process: `python -m engines.process.serve --run-dir DIR`.
 
 Reads the launcher's config from DIR/config.json, binds the engine socket at once (so HEALTH
 answers "loading" while weights load), builds the engine the config selects, then runs its loop
@@ -18,14 +18,15 @@ import msgspec
 
 from engines.config import ENGINE_DYNAMIC, ENGINE_HANDLER, ENGINE_PAGED, ENGINE_ROLLING, LmiConfig, runner_model
 from engines.dist import Communicator, SingleProcess, make_communicator, rank_info
-from engines.endpoint import EngineEndpoint
-from engines.ipc import high_water_mark
-from engines.protocol import (CORES_ENV, FINISH_ERROR, STATE_DEAD, STATE_LOADING, STATE_READY, Add, HandlerCall,
-                              HandlerReply, HealthReply, Output, engine_socket_path, ready_path, write_failure)
-from engines.errors import FatalStepError, HandlerError
-from engines.startup import TIMELINE, process_age, startup_path
+from engines.process.endpoint import EngineEndpoint
+from engines.process.ipc import high_water_mark
+from engines.protocol import (FINISH_ERROR, STATE_DEAD, STATE_LOADING, STATE_READY, Add, HandlerCall, HandlerReply,
+                              HealthReply, Output)
+from engines.process.rundir import CORES_ENV, engine_socket_path, ready_path, write_failure
+from engines.process.errors import FatalStepError, HandlerError
+from engines.process.startup import TIMELINE, process_age, startup_path
 
-log = logging.getLogger("engines.serve")
+log = logging.getLogger("engines.process.serve")
 
 
 def build_engine(config: LmiConfig, publish, comm: Communicator, run_dir: str | None = None):
@@ -35,15 +36,15 @@ def build_engine(config: LmiConfig, publish, comm: Communicator, run_dir: str | 
 
         return DynamicEngine(config, publish)
     if kind == ENGINE_ROLLING:
-        from engines.worker.rolling_engine import RollingEngine
+        from engines.loop.rolling_engine import RollingEngine
 
         return RollingEngine(config, publish, comm)
     if kind == ENGINE_PAGED:
-        from engines.worker.paged_engine import PagedEngine
+        from engines.loop.paged_engine import PagedEngine
 
         return PagedEngine(config, publish, comm)
     if kind == ENGINE_HANDLER:
-        from engines.handler_engine import HandlerEngine
+        from engines.custom.handler_engine import HandlerEngine
 
         return HandlerEngine(config, publish, run_dir)
     raise ValueError(f"unknown engine kind {kind!r}")
@@ -54,7 +55,7 @@ def run_shard(config: LmiConfig, comm: Communicator) -> int:
     from engines.worker.mirror import serve_steps
     from engines.worker.model_runner import ModelRunner
 
-    from engines.models.spec import ModelSpec
+    from engines.spec import ModelSpec
 
     runner = ModelRunner(runner_model(config), ModelSpec.of(config.model), comm)
     runner.load()
@@ -174,7 +175,7 @@ def pin_to_cores(spec: str | None, rank: int, world_size: int) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engines.serve")
+    parser = argparse.ArgumentParser(prog="python -m engines.process.serve")
     parser.add_argument("--run-dir", required=True)
     args = parser.parse_args(argv)
     info = rank_info(os.environ)

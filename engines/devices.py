@@ -1,7 +1,8 @@
-"""What this host computes natively, and the dtype a model runs in (`option.dtype` unset or `auto`).
+"""What this host computes natively, the dtype a model runs in (`option.dtype` unset or `auto`), and
+host values copied to a device (`to_device`).
 
-No torch here: the launcher decides the dtype before any engine starts, and `lmi plan` / `lmi config`
-say it without loading anything.
+No torch at import: the launcher decides the dtype before any engine starts, and `lmi plan` / `lmi
+config` say it without loading anything; only to_device, called by the engines, imports it.
 
     option.dtype unset or auto
       GPU:  the checkpoint's torch_dtype: bf16 stays bf16, fp16 stays fp16, fp32 (or none named) → bf16;
@@ -18,6 +19,10 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 CHECKPOINT_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float": "fp32", "half": "fp16",
                      "fp32": "fp32", "fp16": "fp16", "bf16": "bf16"}
@@ -82,3 +87,13 @@ def choose_dtype(requested: str | None, checkpoint: str | None, *, num_gpus: int
         return DtypeChoice("bf16", f"this CPU multiplies bf16 natively ({native})")
     return DtypeChoice("fp32", "this CPU has no native bf16 (no AVX512-BF16 or AMX): bf16 would be emulated, "
                                "slower than fp32")
+
+
+def to_device(values, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Host values as a tensor on the device without a host sync: through pinned memory, copied
+    without blocking on CUDA (a plain copy from pageable memory waits for the device's queue); on a
+    CPU the tensor itself."""
+    import torch  # (imported already by then: the engines' callers are all torch)
+
+    t = torch.tensor(values, dtype=dtype)
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)

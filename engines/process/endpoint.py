@@ -4,7 +4,7 @@ It answers HEALTH at once (also while the model is still loading) from the snaps
 keeps, hands ADD/ABORT/ADAPTER_COMMAND to the engine, and sends the engine's outputs and replies back
 to the worker socket each request came from. The engine thread publishes through an inproc PUSH socket, so no ZeroMQ socket
 is ever used by two threads. Nothing is dropped: outputs wait in an outbox while a worker's queue
-is full (engines/ipc.py); only outputs for a worker that is gone are discarded, and their request
+is full (engines/process/ipc.py); only outputs for a worker that is gone are discarded, and their request
 is aborted so the engine stops working for nobody.
 """
 
@@ -17,7 +17,8 @@ from typing import Callable
 import msgspec
 import zmq
 
-from engines import ipc, protocol
+from engines import protocol
+from engines.process import ipc
 from engines.protocol import Abort, AdapterCommand, Add, HandlerCall, Health, HealthReply, Output
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""Loading a pre-quantised checkpoint into our model code (engines/quant_checkpoint.py reads its format).
+"""Loading a pre-quantised checkpoint into our model code (engines/weights/quant_checkpoint.py reads its format).
 
 Packed where a kernel exists (4-bit groups of 32·2^k inputs or whole rows → Int4Weight, 8-bit
 symmetric rows → Int8Weight; engines/layers/quant.py). Each checkpoint linear is decoded whole
@@ -32,7 +32,7 @@ from torch import nn
 from engines.layers.linear import ColumnParallelLinear, RowParallelLinear
 from engines.layers.quant import INT4_ROWS_MULTIPLE, Fp8Weight, Int4Weight, Int8Weight, fp8_kernel_problem
 from engines.layers.quant_formats import decode, decode_gptq_act_order, dequantize
-from engines.quant_checkpoint import CheckpointQuant, dequantize_reason, is_fp8
+from engines.weights.quant_checkpoint import CheckpointQuant, dequantize_reason, is_fp8
 
 log = logging.getLogger(__name__)
 

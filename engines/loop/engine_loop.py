@@ -20,8 +20,8 @@ import msgspec
 import torch
 
 from engines.config import LmiConfig, SchedulerConfig, memory_bytes
-from engines.memory_plan import available_ram, cpu_kv_budget_bytes
-from engines.errors import FatalStepError, is_out_of_memory
+from engines.weights.memory_plan import available_ram, cpu_kv_budget_bytes
+from engines.process.errors import FatalStepError, is_out_of_memory
 from engines.protocol import FINISH_ERROR, STATE_READY, Abort, AdapterCommand, AdapterReply, Add, HealthReply, Output
 
 log = logging.getLogger(__name__)
@@ -207,7 +207,7 @@ def kv_budget_bytes(sched: SchedulerConfig, runner, num_ranks: int, activation_p
     CUDA: what gpu_memory_utilization of the GPU leaves after the weights and `activation_peak`, the
     memory peak of the profiling forward (ModelRunner.warm_up, which every rank runs). CPU: option.kv_cache_memory
     (bytes, or a fraction of available RAM) shared by the ranks, which all live in this machine's
-    RAM; unset, what max_num_seqs sequences of max_model_len tokens need (engines/memory_plan.py)."""
+    RAM; unset, what max_num_seqs sequences of max_model_len tokens need (engines/weights/memory_plan.py)."""
     if runner.device.type == "cuda":
         return cuda_kv_budget_bytes(sched, runner.device, activation_peak)
     if sched.kv_cache_memory:
