@@ -84,4 +84,4 @@ def test_the_engines_root_keeps_only_what_every_room_imports():
 def test_no_product_file_is_longer_than_the_limit():
     long = {str(p.relative_to(ROOT)): n for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")
             if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES}
-    assert long == {"container/config.py": long.get("container/config.py")}  # (issue 36: to split)
+    assert long == {}

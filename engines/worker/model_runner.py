@@ -16,7 +16,7 @@ import torch
 from engines.attention.base import kv_storage_dtype
 from engines.attention.step import LayerOptions
 from engines.attention.registry import triton_runs
-from engines.config import ModelConfig, lora_sources
+from engines.config import ModelConfig, fallback_refusal, lora_sources, together_refusal
 from engines.dist import Communicator, SingleProcess
 from engines.layers.fused import FusedOps
 from engines.layers.cpu_linear import choose_cpu_linear, describe as describe_cpu_linear
@@ -58,13 +58,16 @@ class ModelRunner:
         cls = None if cfg.trust_remote_code or cfg.model_impl == "transformers" else model_class(spec)
         quant = read_checkpoint_quant(spec.config)
         check_quantize_option(cfg.quantize, quant)
+        why = None if cls is not None else "option.trust_remote_code=true" if cfg.trust_remote_code \
+            else "option.model_impl=transformers" if cfg.model_impl == "transformers" else fallback_reason(spec)
         if quant and cls is None:
-            raise ValueError(f"a {quant.method} checkpoint loads on our model code only, and {spec.architecture} runs "
-                             "on the transformers fallback; serve its unquantised checkpoint")
+            raise ValueError(fallback_refusal("quant_checkpoint", spec.architecture, why, method=quant.method))
         if cls is not None:
-            if self.comm.tp.pipeline is not None and (quant or cfg.enable_lora):
-                raise ValueError("pipeline parallelism with " + ("a pre-quantised checkpoint" if quant else
-                                 "option.enable_lora=true") + " is not supported yet (docs/multinode.md)")
+            pipeline = self.comm.tp.pipeline
+            if pipeline is not None and (quant or cfg.enable_lora):
+                stages = f"option.pipeline_parallel_degree={pipeline.count}"
+                raise ValueError(together_refusal("pipeline", "quant_checkpoint", stages, f"a {quant.method} checkpoint")
+                                 if quant else together_refusal("pipeline", "lora", stages, "option.enable_lora=true"))
             self.model = build_model(cls, spec, cfg.local_dir, self.comm.tp, self.dtype, self.device,
                                      load_cache_dir=cfg.load_cache_dir)
             self.num_layers, self.kv_layers = spec.num_layers, self.model.held
@@ -85,11 +88,9 @@ class ModelRunner:
             log.info("fused ops (residual add + RMSNorm, rotary, SiLU x mul): %s",
                      FusedOps.select(self.device.type, self.device.type == "cuda" and triton_runs(self.device)))
         elif cfg.enable_lora:
-            raise ValueError(f"option.enable_lora=true applies adapters to our model code, and {spec.architecture} "
-                             "runs on the transformers fallback")
+            raise ValueError(fallback_refusal("lora", spec.architecture, why))
         elif cfg.quantize:
-            raise ValueError(f"option.quantize={cfg.quantize} quantises our model code's linear layers, and "
-                             f"{spec.architecture} runs on the transformers fallback; unset option.quantize")
+            raise ValueError(fallback_refusal("quantize", spec.architecture, why, method=cfg.quantize))
         elif not cfg.trust_remote_code and attention_interface_supported(spec.model_type):
             self._load_hf(on_our_kv=True)  # transformers' model, our KV cache
         else:
@@ -97,8 +98,7 @@ class ModelRunner:
         self.eos_token_ids = frozenset(spec.eos_token_ids)
         self.pad_token_id = spec.pad_token_id if spec.pad_token_id is not None else 0
         elapsed = time.perf_counter() - started
-        self.fallback_why = None if self.is_native else "option.trust_remote_code=true" if cfg.trust_remote_code \
-            else "option.model_impl=transformers" if cfg.model_impl == "transformers" else fallback_reason(spec)
+        self.fallback_why = why
         how = "native" if self.is_native else \
             f"the transformers fallback{' on our KV cache' if self.owns_kv else ''}: {self.fallback_why}"
         log.info("loaded %s (%s, %s%s) in %.1f s", spec.architecture, how, self.dtype,
