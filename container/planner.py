@@ -38,9 +38,8 @@ def read_model_shape(local_dir: str, max_model_len_override: int | None = None,
     total, replicated, linears = counted if counted else (*estimate_parameters(spec.config, **shape),
                                                           estimate_linear_parameters(spec.config, **shape))
     dtype = TORCH_DTYPE_NAMES.get(str(spec.checkpoint_dtype or "float32"), "fp32")
-    return ModelShape(architecture=spec.architecture, num_parameters=total, replicated_parameters=replicated,
-                      max_model_len=spec.max_model_len, checkpoint_dtype=dtype, linear_parameters=linears,
-                      checkpoint_quant=quant, **shape)
+    return ModelShape(spec, num_parameters=total, replicated_parameters=replicated, checkpoint_dtype=dtype,
+                      linear_parameters=linears, checkpoint_quant=quant)
 
 
 # a decoder layer's tensor (Llama-style `layers.N.`, Falcon's `h.N.`); of those, what option.quantize leaves
@@ -182,7 +181,7 @@ def _yes_no(ok: bool, value: int) -> str:
 
 def to_json(p: Plan) -> str:
     body = {k: v for k, v in asdict(p).items() if k not in ("shape", "machine", "workload")}
-    body.update(shape=asdict(p.shape), machine=asdict(p.machine), workload=asdict(p.workload), fits=p.fits,
+    body.update(shape=p.shape.to_dict(), machine=asdict(p.machine), workload=asdict(p.workload), fits=p.fits,
                 summary=summary(p))
     return json.dumps(body, indent=2)
 

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
-from engines.spec import local_kv_heads
+from engines.spec import ModelSpec, local_kv_heads
 from engines.weights.quant_checkpoint import CheckpointQuant, dequantize_reason, packed_bytes_per_weight
 
 GIB = 2**30
@@ -35,24 +35,42 @@ QUANT_WEIGHT_BYTES = {"int8": 1.0, "int8_dynamic": 1.0, "int4": 0.5, "fp8": 1.0}
 INT4_GROUP_SIZE = 32  # engines/layers/quant.py's (no torch here)
 
 
+def _from_spec(name: str) -> property:
+    return property(lambda self: getattr(self.spec, name), doc=f"ModelSpec.{name}")
+
+
 @dataclass(frozen=True)
 class ModelShape:
-    """What the arithmetic needs of a checkpoint (from config.json and the safetensors headers)."""
+    """What the arithmetic needs of a checkpoint: its ModelSpec (config.json's facts, read once) and
+    what the safetensors headers count."""
 
-    architecture: str
+    spec: ModelSpec
     num_parameters: int
     replicated_parameters: int  # 1-D tensors (norms, biases): every rank holds them whole
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    max_model_len: int
     checkpoint_dtype: str  # fp32 | fp16 | bf16
     linear_parameters: int = 0  # the decoder layers' dense linears (what option.quantize packs), all ranks'
     checkpoint_quant: CheckpointQuant | None = None  # a pre-quantised checkpoint's format (its linears' bytes)
+
+    architecture = _from_spec("architecture")
+    hidden_size = _from_spec("hidden_size")
+    num_layers = _from_spec("num_layers")
+    num_heads = _from_spec("num_heads")
+    num_kv_heads = _from_spec("num_kv_heads")
+    head_dim = _from_spec("head_dim")
+    intermediate_size = _from_spec("intermediate_size")
+    vocab_size = _from_spec("vocab_size")
+    max_model_len = _from_spec("max_model_len")
+
+    def to_dict(self) -> dict:
+        """The shape's figures, as `lmi plan --json` shows them."""
+        out = {"architecture": self.architecture, "num_parameters": self.num_parameters,
+               "replicated_parameters": self.replicated_parameters}
+        out.update({name: getattr(self, name) for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                                                            "head_dim", "intermediate_size", "vocab_size",
+                                                            "max_model_len")})
+        quant = self.checkpoint_quant
+        return {**out, "checkpoint_dtype": self.checkpoint_dtype, "linear_parameters": self.linear_parameters,
+                "checkpoint_quant": asdict(quant) if quant is not None else None}
 
     def can_split(self, tp: int) -> bool:
         if self.num_heads % tp:
