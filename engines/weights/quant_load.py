@@ -151,6 +151,13 @@ def _pack_all(model: nn.Module, quant: CheckpointQuant, tensors: dict[str, dict[
             m.weight = originals[name]
         for module, key, p in aside:
             module._parameters[key] = p
+    return _pack_captured(linears, caps, quant, unfilled, dtype), leftovers
+
+
+def _pack_captured(linears: dict[str, nn.Module], caps: dict[str, list], quant: CheckpointQuant, unfilled,
+                   dtype: torch.dtype) -> Counter:
+    """Each linear whose codes, scales (and zeros) the checkpoint filled, packed in place of its weight."""
+    fp8 = is_fp8(quant)
     done = Counter()
     for name, m in linears.items():
         q, s, z = caps.pop(name)
@@ -159,15 +166,15 @@ def _pack_all(model: nn.Module, quant: CheckpointQuant, tensors: dict[str, dict[
             continue  # not quantised in the checkpoint: its weight loads as it is
         if missing.any() or torch.isnan(s).any() or (not fp8 and torch.isnan(z).any()):
             raise ValueError(f"{name}: the checkpoint quantises some of its fused parts and not others")
-        packed, how = (Fp8Weight.from_quantized(q, s[:, 0]), "fp8") if fp8 else pack_shard(q, s, z, group, quant.bits,
-                                                                                          dtype)
+        packed, how = (Fp8Weight.from_quantized(q, s[:, 0]), "fp8") if fp8 else pack_shard(q, s, z, quant.group_size,
+                                                                                          quant.bits, dtype)
         done[how] += 1
         del m.weight
         m.weight = packed
     if done["dequantised"]:
         log.warning("%s checkpoint: %d linear shards dequantised to %s (shapes the packed kernels cannot take)",
                     quant.method, done["dequantised"], dtype)
-    return done, leftovers
+    return done
 
 
 def _stand_aside(model: nn.Module, linears: dict[str, nn.Module]) -> list:

@@ -191,18 +191,8 @@ class Sampler:
         states = [self._states[rid] for rid in request_ids]
         row_params = [s.params for s, d in zip(states, drafts) for _ in range(len(d) + 1)]
         widths = [len(d) + 1 for d in drafts]  # each request's rows
-        drafts, consumed = list(drafts), {}
         constrained = [j for j, s in enumerate(states) if s.params.grammar is not None]
-        if constrained:
-            firsts = [sum(widths[:j]) for j in range(len(widths))]
-            rows, masks = [], []
-            for j in constrained:
-                k, m = self.grammars.draft_masks(request_ids[j], drafts[j])
-                consumed[j], drafts[j] = k, drafts[j][:k]  # rows after the cut go unused
-                rows += range(firsts[j], firsts[j] + k + 1)
-                masks.append(m)
-            logits = apply_bitmask(logits, to_device(rows, logits.device, torch.long),
-                                   torch.cat(masks).to(logits.device, non_blocking=True))
+        logits, drafts, consumed = self._mask_drafts(logits, request_ids, drafts, widths, constrained)
         sampled_rows = [i for i, p in enumerate(row_params) if p.do_sample]
         if sampled_rows:
             logits = logits.clone()
@@ -212,23 +202,7 @@ class Sampler:
         results: list[SampleResult] = []
         row = 0
         for q, (s, draft) in enumerate(zip(states, drafts)):
-            tokens: list[int] = []
-            if not s.params.do_sample:
-                while len(tokens) < len(draft) and draft[len(tokens)] == best[row + len(tokens)]:
-                    tokens.append(draft[len(tokens)])
-                tokens.append(best[row + len(tokens)])
-            else:
-                g = s.generator
-                for j, d in enumerate(draft + [None]):
-                    lp = log_probs[row + j]
-                    if d is not None and torch.rand((), generator=g, device=self.device) < lp[d].exp():
-                        tokens.append(d)
-                        continue
-                    if d is not None:
-                        lp = lp.clone()
-                        lp[d] = float("-inf")
-                    tokens.append(int(self._race(lp.exp().unsqueeze(0), [g])[0]))
-                    break
+            tokens = self._accept(s, draft, log_probs, best, row)
             rows = log_probs[row:row + len(tokens)]
             index = torch.tensor(tokens, device=self.device).view(-1, 1)
             n = s.params.top_n_tokens
@@ -241,6 +215,45 @@ class Sampler:
         if constrained:
             self.grammars.start([request_ids[j] for j in constrained])
         return results
+
+    def _mask_drafts(self, logits: torch.Tensor, request_ids: list[str], drafts: list[list[int]], widths: list[int],
+                     constrained: list[int]) -> tuple[torch.Tensor, list[list[int]], dict[int, int]]:
+        """The grammar's masks on the rows of the `constrained` requests, each proposal cut where its
+        grammar refuses it → (logits, the drafts as cut, request index → proposed tokens consumed)."""
+        drafts, consumed = list(drafts), {}
+        if not constrained:
+            return logits, drafts, consumed
+        firsts = [sum(widths[:j]) for j in range(len(widths))]
+        rows, masks = [], []
+        for j in constrained:
+            k, m = self.grammars.draft_masks(request_ids[j], drafts[j])
+            consumed[j], drafts[j] = k, drafts[j][:k]  # rows after the cut go unused
+            rows += range(firsts[j], firsts[j] + k + 1)
+            masks.append(m)
+        logits = apply_bitmask(logits, to_device(rows, logits.device, torch.long),
+                               torch.cat(masks).to(logits.device, non_blocking=True))
+        return logits, drafts, consumed
+
+    def _accept(self, s, draft: list[int], log_probs: torch.Tensor, best: list[int], row: int) -> list[int]:
+        """The tokens one request emits from its rows (starting at `row`): the accepted proposals and one more."""
+        tokens: list[int] = []
+        if not s.params.do_sample:
+            while len(tokens) < len(draft) and draft[len(tokens)] == best[row + len(tokens)]:
+                tokens.append(draft[len(tokens)])
+            tokens.append(best[row + len(tokens)])
+            return tokens
+        g = s.generator
+        for j, d in enumerate(draft + [None]):
+            lp = log_probs[row + j]
+            if d is not None and torch.rand((), generator=g, device=self.device) < lp[d].exp():
+                tokens.append(d)
+                continue
+            if d is not None:
+                lp = lp.clone()
+                lp[d] = float("-inf")
+            tokens.append(int(self._race(lp.exp().unsqueeze(0), [g])[0]))
+            break
+        return tokens
 
     def _race(self, probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
         """One draw from each row of `probs` [n, V] (unnormalised): argmax(p / E), E ~ Exp(1) drawn
