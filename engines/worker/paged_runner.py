@@ -106,6 +106,10 @@ class PagedRunner:
         self.buffers = StepBuffers(max(max_num_batched_tokens, max_num_seqs), max_num_seqs, max_blocks, block_size,
                                    self.backend.scratch_block, r.device)
         self.decode_mode = decode_mode
+        if decode_mode == DECODE_INDUCTOR and len(self.buffers.decode_buckets) > 1:
+            # one row decodes as two (a pad row on the scratch block): a size of 1 is always
+            # specialised, a graph of its own; without it one graph takes every decode step
+            self.buffers.decode_buckets = self.buffers.decode_buckets[1:]
         if decode_mode == DECODE_INDUCTOR:
             if compile_cache_dir:  # read when inductor first compiles: a restart finds its code there
                 os.environ["TORCHINDUCTOR_CACHE_DIR"] = compile_cache_dir
@@ -261,23 +265,26 @@ class PagedRunner:
             if graphed:
                 logits = self.graphs.replay(view.num_seqs)
             else:
-                meta = self.backend.metadata(view)
-                if compiled and getattr(meta, "block_table", None) is not None:  # any width, one graph
-                    torch._dynamo.mark_dynamic(meta.block_table, 1)
                 model = self._decode_model if view.decode_only else self.runner.model
-                logits = self._run_model(view, meta, model, static_lora=compiled)
+                logits = self._run_model(view, self.backend.metadata(view), model, static_lora=compiled,
+                                         symbolic=compiled)
         finally:
             if lora is not None:
                 lora.step.clear()
         return logits[:len(batch.logits_rows)] if logits is not None else None
 
-    def _run_model(self, view, meta, model=None, static_lora: bool = False) -> torch.Tensor | None:
+    def _run_model(self, view, meta, model=None, static_lora: bool = False,
+                   symbolic: bool = False) -> torch.Tensor | None:
         """static_lora: the LoRA path in its static form (captured or compiled decode steps), the
-        indices written already."""
+        indices written already; symbolic: the step's row count and block-table width are symbols
+        to torch.compile (every decode step one graph: warm_up_buckets makes it)."""
         if static_lora and self.runner.lora is not None:
             self.runner.lora.step.use_static()
         model = model or self.runner.model
-        return model(view.input_ids.view(1, -1), view.positions.view(1, -1), self.backend, meta, view.logits_indices)
+        ids, positions = view.input_ids.view(1, -1), view.positions.view(1, -1)
+        if symbolic:
+            mark_symbolic(ids, positions, view.logits_indices, meta)
+        return model(ids, positions, self.backend, meta, view.logits_indices)
 
     def _lora_slot(self, name: str | None) -> int:
         if name is None:
@@ -335,3 +342,16 @@ def lora_row_slots(chunks) -> list[int] | None:
     for c in chunks:
         slots += [c.lora_slot] * c.num_tokens
     return slots
+
+
+def mark_symbolic(ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor, meta) -> None:
+    """A compiled decode step's sizes as symbols, not constants: its rows (at least two: decode
+    bucket 1 is gone under compile) in every tensor shaped by them, and its block tables' width."""
+    torch._dynamo.mark_dynamic(ids, 1)
+    torch._dynamo.mark_dynamic(positions, 1)
+    torch._dynamo.mark_dynamic(logits_indices, 0)
+    for t in meta if isinstance(meta, tuple) else ():
+        if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] > 1:
+            torch._dynamo.mark_dynamic(t, 0)
+            if t.dim() == 2 and t.shape[1] > 1:
+                torch._dynamo.mark_dynamic(t, 1)
