@@ -73,11 +73,11 @@ def test_what_the_c_does_not_take_runs_in_torch_ops() -> None:
     assert got[0] is not q and all(torch.equal(a, b) for a, b in zip(got, want))  # new tensors: torch_ops'
 
 
-def test_the_cpu_selects_the_c_kernels() -> None:
-    from engines.layers.fused import FusedOps, ops
+def test_the_cpu_selects_the_c_kernels_for_the_model_it_loads(tiny_model) -> None:
+    from engines.layers.fused import describe, fused_ops_of, is_triton, select
+    from tests.support import local_engine
 
-    try:
-        assert FusedOps.select("cpu", triton=False).startswith("C kernels for the norm and rotary")
-        assert ops() is cpu_ops and not FusedOps.is_triton()
-    finally:
-        FusedOps.use_triton(False)
+    assert select("cpu", triton=False) is cpu_ops and not is_triton(cpu_ops)
+    assert describe(cpu_ops).startswith("C kernels for the norm and rotary")
+    engine = local_engine(tiny_model, "paged")
+    assert fused_ops_of(engine.runner.model) is cpu_ops

@@ -12,7 +12,8 @@ import torch
 from engines.attention.step import LayerOptions
 from engines.config import SchedulerConfig
 from engines.core.modes import scheduling_mode
-from engines.layers.fused import FusedOps
+from engines.kernels import fused_ops
+from engines.layers.fused import fused_ops_of, is_triton, use_fused_ops
 from engines.sampling_params import SamplingParams
 from engines.worker import paged_runner
 from engines.loop.paged_engine import PagedEngine
@@ -49,11 +50,9 @@ def graphs_on_cpu(monkeypatch):
     return counts
 
 
-@pytest.fixture
-def triton_ops():
-    """The fused Triton ops (under the interpreter) for the model's norms, rotary and MLP."""
-    yield lambda: FusedOps.use_triton(True)
-    FusedOps.use_triton(False)
+def triton_ops(engine: PagedEngine) -> None:
+    """The fused Triton ops (under the interpreter) for the engine's model's norms, rotary and MLP."""
+    use_fused_ops(engine.runner.model, fused_ops)
 
 
 def greedy_equals_hf(engine: PagedEngine, hf, max_new: int = 12, join_every: int = 2) -> None:
@@ -78,19 +77,18 @@ def test_decode_graphs_on_static_buffers_give_hf_greedy_tokens(tiny_model, hf, g
     assert graphs_on_cpu["replays"] > (0 if "speculative_method" in sched else 10)  # proposals: mixed steps
 
 
-def test_the_cuda_default_runs_on_cpu_triton_attention_fused_ops_graphs_pipelined(tiny_model, hf, graphs_on_cpu,
-                                                                                  triton_ops):
+def test_the_cuda_default_runs_on_cpu_triton_attention_fused_ops_graphs_pipelined(tiny_model, hf, graphs_on_cpu):
     """What a GPU without flash-attn runs by default, each piece on CPU: the Triton paged-attention
     kernel in every layer (prefill chunks, decodes, pad sequences), the fused Triton norms, rotary
     and SiLU x mul, decode steps replayed over the graphs' static buffers, pipelined steps."""
     engine = make_engine(tiny_model, attention_backend="triton", max_num_batched_tokens=16)
-    triton_ops()
-    assert engine.paged.backend.name == "triton" and engine.mode.pipelined and FusedOps.is_triton()
+    triton_ops(engine)
+    assert engine.paged.backend.name == "triton" and engine.mode.pipelined and is_triton(fused_ops_of(engine.runner.model))
     greedy_equals_hf(engine, hf, max_new=8)
     assert graphs_on_cpu["replays"] > 5
 
 
-def test_the_triton_backend_verifies_proposals_and_chunks_prompts(tiny_model, hf, triton_ops):
+def test_the_triton_backend_verifies_proposals_and_chunks_prompts(tiny_model, hf):
     engine = make_engine(tiny_model, attention_backend="triton", speculative_method="ngram",
                          num_speculative_tokens=3, max_num_batched_tokens=16)
     greedy_equals_hf(engine, hf, max_new=10)

@@ -7,10 +7,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engines.layers.fused import ops
+from engines.layers.fused import UsesFusedOps
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(UsesFusedOps, nn.Module):
     def __init__(self, hidden_size: int, eps: float, *, gemma: bool = False):
         super().__init__()
         self.eps = eps
@@ -22,9 +22,9 @@ class RMSNorm(nn.Module):
         """norm(x); with a residual: (norm(x + residual), x + residual), the sum in x's dtype as the
         reference decoder layers add it."""
         if self.gemma:
-            y, r = ops().add_rms_norm(x, residual, self.weight, self.eps, gemma=True)
+            y, r = self.fused.add_rms_norm(x, residual, self.weight, self.eps, gemma=True)
         else:
-            y, r = ops().add_rms_norm(x, residual, self.weight, self.eps)
+            y, r = self.fused.add_rms_norm(x, residual, self.weight, self.eps)
         return y if residual is None else (y, r)
 
 

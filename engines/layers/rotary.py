@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from engines.kernels.torch_ops import rotary_tables
-from engines.layers.fused import ops
+from engines.layers.fused import UsesFusedOps
 from engines.spec import RopeSpec
 
 def default_inv_freq(theta: float, dim: int) -> torch.Tensor:
@@ -93,7 +93,7 @@ def _longrope(rope: RopeSpec, dim: int, max_positions: int, original: int,
     return tuple(torch.where(is_long, lt, st) * scale for st, lt in zip(short, long))
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(UsesFusedOps, nn.Module):
     def __init__(self, rope: RopeSpec, rotary_dim: int, max_positions: int,
                  max_position_embeddings: int | None):
         super().__init__()
@@ -104,6 +104,6 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [..., tokens, heads, head_dim], k likewise, positions: [..., tokens] → rotated (q, k)."""
         shape_q, shape_k = q.shape, k.shape
-        q, k = ops().rotary_embedding(positions.reshape(-1), q.reshape(-1, *shape_q[-2:]),
+        q, k = self.fused.rotary_embedding(positions.reshape(-1), q.reshape(-1, *shape_q[-2:]),
                                       k.reshape(-1, *shape_k[-2:]), self.cos, self.sin)
         return q.reshape(shape_q), k.reshape(shape_k)

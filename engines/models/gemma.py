@@ -15,7 +15,6 @@ from torch import nn
 
 from engines.dist import Communicator
 from engines.layers.attention import Attention
-from engines.layers.fused import ops
 from engines.layers.norm import RMSNorm
 from engines.layers.rotary import RotaryEmbedding
 from engines.models.llama import MLP, LlamaForCausalLM
@@ -24,7 +23,7 @@ from engines.spec import ModelSpec
 
 class GemmaMLP(MLP):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops().gelu_tanh_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.fused.gelu_tanh_and_mul(self.gate_up_proj(x)))
 
 
 class GemmaDecoderLayer(nn.Module):

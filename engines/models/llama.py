@@ -13,7 +13,7 @@ from torch import nn
 
 from engines.dist import Communicator
 from engines.layers.attention import Attention
-from engines.layers.fused import ops
+from engines.layers.fused import UsesFusedOps
 from engines.layers.linear import ColumnParallelLinear, RowParallelLinear, SliceReader
 from engines.layers.norm import RMSNorm
 from engines.layers.rotary import RotaryEmbedding
@@ -21,14 +21,14 @@ from engines.models.base import CausalLM
 from engines.spec import ModelSpec
 
 
-class MLP(nn.Module):
+class MLP(UsesFusedOps, nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, comm: Communicator):
         super().__init__()
         self.gate_up_proj = ColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size], comm)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, comm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops().silu_and_mul(self.gate_up_proj(x)))  # one GEMM for gate and up
+        return self.down_proj(self.fused.silu_and_mul(self.gate_up_proj(x)))  # one GEMM for gate and up
 
     def load_weight(self, proj: str, which: str, shape: list[int], get: SliceReader) -> bool:
         """gate_proj, up_proj or down_proj (HF names) into this rank's shard; False for other names."""

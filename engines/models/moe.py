@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from engines.dist import Communicator
-from engines.layers.fused import ops
+from engines.layers.fused import UsesFusedOps
 from engines.layers.linear import SliceReader, linear, shard_range
 from engines.models.llama import MLP, DecoderLayer, LlamaForCausalLM
 
@@ -34,7 +34,7 @@ EXPERT_PROJECTIONS = {"w1": "gate", "w3": "up", "w2": "down",  # Mixtral
                       "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}  # Qwen2-MoE
 
 
-class SparseMoE(nn.Module):
+class SparseMoE(UsesFusedOps, nn.Module):
     """Top-k routed SwiGLU experts (+ an optional gated shared expert), all-reduced once."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, comm: Communicator,
@@ -64,7 +64,7 @@ class SparseMoE(nn.Module):
         else:
             out = self.run_experts(x, weights, experts)
         if self.shared_expert is not None:  # its partial sum joins the experts' before the one all-reduce
-            shared = linear(ops().silu_and_mul(self.shared_expert.gate_up_proj(x)), self.shared_expert.down_proj.weight)
+            shared = linear(self.fused.silu_and_mul(self.shared_expert.gate_up_proj(x)), self.shared_expert.down_proj.weight)
             out = out + torch.sigmoid(linear(x, self.shared_expert_gate)) * shared
         return self.comm.all_reduce(out).view(shape)
 
@@ -90,7 +90,7 @@ class SparseMoE(nn.Module):
         for expert, count in enumerate(counts):
             if count:
                 rows = tokens[start:start + count]
-                h = ops().silu_and_mul(linear(x[rows], self.gate_up[expert]))
+                h = self.fused.silu_and_mul(linear(x[rows], self.gate_up[expert]))
                 y = linear(h, self.down[expert]) * pair_weights[start:start + count, None]
                 out.index_add_(0, rows, y.to(x.dtype))
                 start += count
@@ -102,7 +102,7 @@ class SparseMoE(nn.Module):
         E/k times the FLOPs, which decode batches afford. → the same partial sum [N, H]."""
         dense = torch.zeros(x.shape[0], self.router.shape[0], dtype=weights.dtype, device=x.device)
         dense.scatter_(1, experts, weights)  # [N, E]
-        h = ops().silu_and_mul(torch.matmul(x, self.gate_up.transpose(1, 2)))  # [E, N, I/tp]
+        h = self.fused.silu_and_mul(torch.matmul(x, self.gate_up.transpose(1, 2)))  # [E, N, I/tp]
         y = torch.matmul(h, self.down.transpose(1, 2)) * dense.t().unsqueeze(-1)  # [E, N, H]
         return y.to(x.dtype).sum(dim=0)
 

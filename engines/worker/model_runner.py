@@ -18,7 +18,7 @@ from engines.attention.step import LayerOptions
 from engines.attention.registry import triton_runs
 from engines.config import ModelConfig, fallback_refusal, lora_sources, together_refusal
 from engines.dist import Communicator, SingleProcess
-from engines.layers.fused import FusedOps
+from engines.layers.fused import describe as describe_fused_ops, select as select_fused_ops, use_fused_ops
 from engines.layers.cpu_linear import choose_cpu_linear, describe as describe_cpu_linear
 from engines.layers.quant import METHODS as QUANTIZE_AT_LOAD, quantize_linears
 from engines.weights.quant_checkpoint import check_quantize_option, read_checkpoint_quant
@@ -85,8 +85,9 @@ class ModelRunner:
                 self._load_adapters()
             if self.device.type == "cpu":
                 self._choose_cpu_linear()
-            log.info("fused ops (residual add + RMSNorm, rotary, SiLU x mul): %s",
-                     FusedOps.select(self.device.type, self.device.type == "cuda" and triton_runs(self.device)))
+            fused = select_fused_ops(self.device.type, self.device.type == "cuda" and triton_runs(self.device))
+            use_fused_ops(self.model, fused)
+            log.info("fused ops (residual add + RMSNorm, rotary, SiLU x mul): %s", describe_fused_ops(fused))
         elif cfg.enable_lora:
             raise ValueError(fallback_refusal("lora", spec.architecture, why))
         elif cfg.quantize:
