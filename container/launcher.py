@@ -220,10 +220,13 @@ class Launcher:
             idle_in_a_row = idle_in_a_row + 1 if idle else 0
             time.sleep(DRAIN_POLL_S)
         # gunicorn lets the responses still being written finish; a request still running at the
-        # deadline is aborted by its worker with a 503
-        _stop(http, signal.SIGTERM, max(deadline - time.time(), 0) + STOP_GRACE_S)
-        for c in copies:
-            _stop(c.proc, signal.SIGTERM, STOP_GRACE_S)
+        # deadline is aborted by its worker with a 503, so the engines stop after it. Drained with
+        # nothing in flight, nothing needs an engine any more: every process stops at once.
+        if idle_in_a_row >= 2:
+            _stop_all([http] + [c.proc for c in copies], STOP_GRACE_S)
+        else:
+            _stop(http, signal.SIGTERM, max(deadline - time.time(), 0) + STOP_GRACE_S)
+            _stop_all([c.proc for c in copies], STOP_GRACE_S)
         log.info("stopped")
         return 0
 
@@ -282,6 +285,21 @@ def _stop(proc: subprocess.Popen, sig: int, grace: float) -> None:
             log.warning("pid %d did not stop in %.0f s: killing it", proc.pid, grace)
     _signal_group(proc, signal.SIGKILL)  # leftovers of the session (ranks, workers)
     proc.wait()
+
+
+def _stop_all(procs: list[subprocess.Popen], grace: float) -> None:
+    """SIGTERM to every child's session at once, then each waited for (killed after `grace` seconds)."""
+    for proc in procs:
+        if proc.poll() is None:
+            _signal_group(proc, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(deadline - time.monotonic(), 0))
+        except subprocess.TimeoutExpired:
+            log.warning("pid %d did not stop in %.0f s: killing it", proc.pid, grace)
+        _signal_group(proc, signal.SIGKILL)  # leftovers of the session (ranks, workers)
+        proc.wait()
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
