@@ -118,7 +118,7 @@ class Launcher:
             return self._supervise(copies, http)
         finally:
             for proc in (http, *(c.proc for c in copies)):
-                _stop(proc, signal.SIGTERM, STOP_GRACE_S)
+                _stop_all([proc], STOP_GRACE_S)
             shutil.rmtree(self.run_dir, ignore_errors=True)
             if self.failure:  # the last line of the log: after the children's own last words
                 log.error("lmi-serve %s: %s", "stopped" if self.ready else "did not start", self.failure)
@@ -225,7 +225,7 @@ class Launcher:
         if idle_in_a_row >= 2:
             _stop_all([http] + [c.proc for c in copies], STOP_GRACE_S)
         else:
-            _stop(http, signal.SIGTERM, max(deadline - time.time(), 0) + STOP_GRACE_S)
+            _stop_all([http], max(deadline - time.time(), 0) + STOP_GRACE_S)
             _stop_all([c.proc for c in copies], STOP_GRACE_S)
         log.info("stopped")
         return 0
@@ -275,20 +275,9 @@ class EngineCopy:
         self.restart_at = self.failed_at = None
 
 
-def _stop(proc: subprocess.Popen, sig: int, grace: float) -> None:
-    """Signal a child's whole session, wait up to `grace` seconds, then kill it."""
-    if proc.poll() is None:
-        _signal_group(proc, sig)
-        try:
-            proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            log.warning("pid %d did not stop in %.0f s: killing it", proc.pid, grace)
-    _signal_group(proc, signal.SIGKILL)  # leftovers of the session (ranks, workers)
-    proc.wait()
-
-
 def _stop_all(procs: list[subprocess.Popen], grace: float) -> None:
-    """SIGTERM to every child's session at once, then each waited for (killed after `grace` seconds)."""
+    """SIGTERM to every child's session at once, then each waited for, at most `grace` seconds in all,
+    then killed with its session's leftovers (ranks, workers)."""
     for proc in procs:
         if proc.poll() is None:
             _signal_group(proc, signal.SIGTERM)

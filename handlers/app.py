@@ -31,7 +31,7 @@ from handlers.engine_pool import EnginePool
 from handlers.errors import HttpError
 from handlers.request_metrics import REQUEST_METRICS
 from handlers.routes import adapters, lmi, openai, tgi
-from handlers.service import PING_SNAPSHOT_AGE_S, Service, current  # noqa: F401 (tests build apps from here)
+from handlers.service import Service, current
 from handlers.tokenizer import TextTokenizer
 
 log = logging.getLogger("handlers.app")

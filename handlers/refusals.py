@@ -39,6 +39,8 @@ def refuse_on_dynamic(is_dynamic: bool, feature: str, param: str | None = None) 
 
 def refuse_dynamic_sampling(is_dynamic: bool, sampling) -> None:
     """The sampling settings dynamic batching cannot honour (engines.sampling_params.SamplingParams)."""
+    if not is_dynamic:
+        return
     if sampling.has_output_penalties:
         refuse_on_dynamic(is_dynamic, "output_penalties")
     if sampling.top_n_tokens:

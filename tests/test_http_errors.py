@@ -17,7 +17,8 @@ from engines.config import ENGINE_DYNAMIC, LmiConfig, ModelConfig, SchedulerConf
 from engines.process.endpoint import EngineEndpoint
 from engines.protocol import STATE_LOADING, STATE_READY, Abort, HealthReply, Output
 from engines.process.rundir import engine_socket_path
-from handlers.app import PING_SNAPSHOT_AGE_S, Service, build_app
+from handlers.app import build_app
+from handlers.service import PING_SNAPSHOT_AGE_S, Service
 from handlers.engine_client import EngineClient
 from handlers.tokenizer import TextTokenizer
 

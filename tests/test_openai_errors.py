@@ -8,7 +8,8 @@ import pytest
 
 from engines.config import ENGINE_PAGED, LmiConfig, ModelConfig, SchedulerConfig, ServerConfig
 from engines.process.rundir import engine_socket_path
-from handlers.app import Service, build_app
+from handlers.app import build_app
+from handlers.service import Service
 from handlers.chat_template import ChatTemplate
 from handlers.engine_client import EngineClient
 from tests.test_http_errors import start_fake_engine

@@ -106,17 +106,17 @@ class PagedRunner:
         self.buffers = StepBuffers(max(max_num_batched_tokens, max_num_seqs), max_num_seqs, max_blocks, block_size,
                                    self.backend.scratch_block, r.device)
         self.decode_mode = decode_mode
-        if decode_mode == DECODE_INDUCTOR and len(self.buffers.decode_buckets) > 1:
-            # one row decodes as two (a pad row on the scratch block): a size of 1 is always
-            # specialised, a graph of its own; without it one graph takes every decode step
-            self.buffers.decode_buckets = self.buffers.decode_buckets[1:]
         if decode_mode == DECODE_INDUCTOR:
+            if len(self.buffers.decode_buckets) > 1:
+                # one row decodes as two (a pad row on the scratch block): a size of 1 is always
+                # specialised, a graph of its own; without it one graph takes every decode step
+                self.buffers.decode_buckets = self.buffers.decode_buckets[1:]
             if compile_cache_dir:  # read when inductor first compiles: a restart finds its code there
                 os.environ["TORCHINDUCTOR_CACHE_DIR"] = compile_cache_dir
             # the forward without its inference_mode decorator (the step already runs in inference
-            # mode; traced with it, the in-place KV writes fail to compile), with automatic dynamic
-            # shapes for the row count and a symbolic block-table width (warm_up_buckets makes the
-            # graphs: one for one row, one for several)
+            # mode; traced with it, the in-place KV writes fail to compile); the row count and the
+            # block-table width are marked as symbols at each call (mark_symbolic), so that one graph,
+            # made by warm_up_buckets, takes every decode step
             forward = type(r.model).forward
             self._decode_model = torch.compile(functools.partial(getattr(forward, "__wrapped__", forward), r.model),
                                                dynamic=None)
@@ -133,9 +133,9 @@ class PagedRunner:
         use: running them all up front costs a forward of thousands of tokens, minutes for a 1 B
         model on a CPU."""
         b = self.buffers
-        # compiled (dynamic shapes): block tables at least two blocks wide, since a size of 1 is
-        # always specialised, a graph of its own; then one graph takes every width and one row, one
-        # every width and several rows, both made here, so that no step recompiles while serving
+        # compiled: block tables at least two blocks wide (a size of 1 is always specialised, a
+        # graph of its own), so that the one graph made here takes every step: none recompiles
+        # while serving
         compiled = self.decode_mode == DECODE_INDUCTOR
         widths = b.width_buckets[1:] if compiled and len(b.width_buckets) > 1 else b.width_buckets
         self.backend.warm_up(self.runner.model.num_heads, b.decode_buckets, widths)
