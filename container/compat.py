@@ -1,6 +1,6 @@
 """Which settings combine, checked once at start with the reason for each refusal: engines and
 their features (rolling batch vs dynamic batching, the paged engine's fp8 KV cache, speculation and
-multi-step, pipeline stages, LoRA), what runs on our model code only, and the dtype a quantisation
+multi-step, pipeline stages, LoRA, the KV tiers), what runs on our model code only, and the dtype a quantisation
 method needs. The sentences of the refusals the engine's runner can also make come from one table,
 engines/config.py (OUR_CODE_ONLY, NOT_TOGETHER), so that both say the same.
 """
@@ -8,11 +8,13 @@ engines/config.py (OUR_CODE_ONLY, NOT_TOGETHER), so that both say the same.
 from __future__ import annotations
 
 import os
+import shutil
 
 from container.keys import ConfigError
 from container.merge import ResolvedConfig
 from container.placement import CapacityError
-from engines.config import ENGINE_DYNAMIC, ENGINE_PAGED, SchedulerConfig, fallback_refusal, together_refusal
+from engines.config import (ENGINE_DYNAMIC, ENGINE_PAGED, SchedulerConfig, fallback_refusal, parse_memory,
+                            together_refusal)
 from engines.core.modes import scheduling_mode
 from engines.devices import DtypeChoice, choose_dtype
 from engines.spec import ModelSpec
@@ -98,6 +100,38 @@ def check_kv_cache_dtype(cfg: ResolvedConfig, kind: str) -> None:
     if backend not in ("auto", "torch"):
         raise ConfigError(f"option.kv_cache_dtype={name} with option.attention_backend={backend}: the torch "
                           "backend reads fp8 caches; set option.attention_backend=torch or auto")
+
+
+def check_kv_offload(cfg: ResolvedConfig, kind: str, pp: int) -> None:
+    """The KV tiers sit below the paged engine's prefix cache (docs/kv-tiers.md); the host tier's
+    folder must hold what it is asked to."""
+    memory, disk_dir = cfg["option.kv_offload_memory"], cfg["option.kv_offload_dir"]
+    if not memory and not disk_dir:
+        return
+    what = "option.kv_offload_memory" if memory else "option.kv_offload_dir"
+    if kind != ENGINE_PAGED:
+        raise ConfigError(f"{what} keeps the paged engine's KV blocks, and this configuration runs the {kind} "
+                          "engine; use option.rolling_batch=lmi-dist (or auto)")
+    if not cfg["option.enable_prefix_caching"]:
+        raise ConfigError(f"{what}: the KV tiers sit below the prefix cache; set option.enable_prefix_caching=true")
+    if pp > 1:
+        raise ConfigError(f"{what} with pipeline_parallel_degree={pp}: the KV tiers support tensor parallelism "
+                          "only (docs/kv-tiers.md)")
+    if memory:
+        check_shm_room(cfg["option.kv_offload_memory_dir"], memory)
+
+
+def check_shm_room(folder: str, amount: str) -> None:
+    """option.kv_offload_memory in bytes must fit the filesystem of its folder (Docker's /dev/shm is
+    64 MiB unless --shm-size says more)."""
+    value, is_fraction = parse_memory(amount)
+    root = folder
+    while not os.path.exists(root):
+        root = os.path.dirname(root) or "/"
+    free = shutil.disk_usage(root).free
+    if not is_fraction and value > free:
+        raise ConfigError(f"option.kv_offload_memory={amount} does not fit {folder}: its filesystem has "
+                          f"{free / 2**20:.0f} MiB free (docker run --shm-size, or option.kv_offload_memory_dir)")
 
 
 def quantized_dtype(cfg: ResolvedConfig, num_gpus: int, fallback: str | None, spec: ModelSpec | None,

@@ -16,7 +16,7 @@ import logging
 import os
 from typing import Mapping
 
-from container.compat import (check_cpu_linear, check_kv_cache_dtype, check_lora, check_parallel,  # noqa: F401
+from container.compat import (check_cpu_linear, check_kv_cache_dtype, check_kv_offload, check_lora, check_parallel,  # noqa: F401
                               check_pipeline, quantized_dtype, speed_settings)
 from container.keys import ConfigError
 from container.merge import (CLI, DEFAULT, ENV, FILE, ResolvedConfig, Setting, check_static_contradictions,  # noqa: F401
@@ -160,6 +160,7 @@ def build(cfg: ResolvedConfig, *, local_dir: str, spec: ModelSpec | None,
     dtype = quantized_dtype(cfg, num_gpus, fallback, spec, cpu_flags() if cpu is None else cpu, gpu_bf16)
     log.info("dtype: %s", dtype)
     check_kv_cache_dtype(cfg, kind)
+    check_kv_offload(cfg, kind, pp)
     check_lora(cfg, kind, fallback, spec.architecture if spec else None)
     check_cpu_linear(cfg)
     cpu_linear = cfg["option.cpu_linear"]
@@ -182,7 +183,9 @@ def build(cfg: ResolvedConfig, *, local_dir: str, spec: ModelSpec | None,
         gpu_memory_utilization=cfg["option.gpu_memory_utilization"], kv_cache_memory=cfg["option.kv_cache_memory"],
         predict_timeout_s=float(cfg["option.predict_timeout"]), enforce_eager=cfg["option.enforce_eager"],
         cpu_compile=cfg["option.cpu_compile"], compile_cache_dir=cfg["option.compile_cache_dir"],
-        attention_backend=cfg["option.attention_backend"], **speed_settings(cfg, kind))
+        attention_backend=cfg["option.attention_backend"], kv_offload_memory=cfg["option.kv_offload_memory"],
+        kv_offload_memory_dir=cfg["option.kv_offload_memory_dir"], kv_offload_dir=cfg["option.kv_offload_dir"],
+        kv_offload_disk=cfg["option.kv_offload_disk"], **speed_settings(cfg, kind))
     return LmiConfig(model=model, scheduler=scheduler,
                      parallel=placement(cfg, use_mpi, tp, num_gpus, num_cpus, pp,
                                         os.environ if env is None else env),

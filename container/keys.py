@@ -200,6 +200,15 @@ KEYS: tuple[Key, ...] = (
         "max_model_len need, at most 0.25 of available RAM)"),
     Key("option.kv_block_size", integer(1), 16, "tokens per paged KV block"),
     Key("option.enable_prefix_caching", boolean, False, "reuse KV blocks of shared prompt prefixes"),
+    Key("option.kv_offload_memory", memory_amount, None,
+        "KV tiers (docs/kv-tiers.md): a host-memory tier below the paged cache, bytes or a fraction of available "
+        "RAM, shared by the model copies on the host; needs option.enable_prefix_caching"),
+    Key("option.kv_offload_memory_dir", text, "/dev/shm/lmi-kv",
+        "where the host-memory KV tier lives: a folder on a shared-memory (tmpfs) filesystem"),
+    Key("option.kv_offload_dir", text, None,
+        "KV tiers: a folder for the disk tier below the host tier, kept across restarts"),
+    Key("option.kv_offload_disk", memory_amount, "0.5",
+        "the disk KV tier's bytes, or a fraction of the free space under option.kv_offload_dir"),
     Key("option.enforce_eager", boolean, False, "no CUDA graphs / torch.compile: every step runs eagerly"),
     Key("option.cpu_compile", boolean, False,
         "CPU: the paged engine's decode step compiled by torch.compile (inductor), every batch bucket before "

@@ -59,6 +59,12 @@ class SchedulerConfig(msgspec.Struct, frozen=True):
     max_num_batched_tokens: int = 1024
     kv_block_size: int = 16
     enable_prefix_caching: bool = False
+    # KV tiers below the paged cache (docs/kv-tiers.md): a host-memory tier in a shared-memory folder,
+    # a disk tier; sizes as kv_cache_memory (a fraction: of the RAM available, of the disk's free space)
+    kv_offload_memory: str | None = None
+    kv_offload_memory_dir: str = "/dev/shm/lmi-kv"
+    kv_offload_dir: str | None = None
+    kv_offload_disk: str = "0.5"
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: str | None = None  # CPU: bytes ("2GiB", "1073741824") or a fraction ("0.3")
     predict_timeout_s: float = 240.0

@@ -6,8 +6,9 @@ option.cpu_linear); its
 optional "lora" holds ModelConfig's LoRA fields, "tp" the ranks of a pipeline stage (fewer than the
 ranks: pipeline parallelism), "backend" the communicator's (make_communicator; "gloo" runs the GPU
 path's torch.distributed code on CPU), "scheduler" more SchedulerConfig fields (speed features),
-"register" adapters (name → directory) registered at run time before the prompts, and "adapters"
-each prompt's adapter (null: the base).
+"register" adapters (name → directory) registered at run time before the prompts, "adapters"
+each prompt's adapter (null: the base), "rounds" lists of prompts run one after another instead of
+"prompts", and "metrics" true: rank 0's /metrics figures too ("metrics:DIR").
 
     python -m tests.tp_families OUT.json PROMPTS.json DIR [DIR ...]
 """
@@ -39,8 +40,9 @@ def main(out_path: str, prompts_path: str, model_dirs: list[str]) -> None:
         config = LmiConfig(model=ModelConfig(local_dir=model_dir, dtype="fp32", quantize=job.get("quantize"),
                                              cpu_linear=job.get("cpu_linear", "auto"),
                                              **job.get("lora", {})),
-                           scheduler=SchedulerConfig(engine_kind=job.get("engine", ENGINE_PAGED), kv_cache_memory="4MiB",
-                                                     max_num_seqs=4, **job.get("scheduler", {})),
+                           scheduler=SchedulerConfig(engine_kind=job.get("engine", ENGINE_PAGED),
+                                                     **{"kv_cache_memory": "4MiB", "max_num_seqs": 4,
+                                                        **job.get("scheduler", {})}),
                            parallel=ParallelConfig(use_mpi=True, tensor_parallel_degree=tp))
         if comm.rank:
             run_shard(config, comm)  # returns when rank 0 stops the ranks
@@ -50,12 +52,16 @@ def main(out_path: str, prompts_path: str, model_dirs: list[str]) -> None:
         engine.load()
         for name, path in job.get("register", {}).items():
             engine.command(AdapterCommand(f"register-{name}", ADAPTER_REGISTER, name, path))
-        adapters = job.get("adapters") or [None] * len(job["prompts"])
-        grammars = job.get("grammars") or [None] * len(job["prompts"])  # each prompt's constraint (None: free)
-        outputs = drive_engine(engine, [(f"r{i}", p, SamplingParams(max_new_tokens=job["new_tokens"], grammar=g), a)
-                                        for i, (p, a, g) in enumerate(zip(job["prompts"], adapters, grammars))])
+        results[model_dir] = []
+        for prompts in job.get("rounds") or [job["prompts"]]:  # rounds: one after another
+            adapters = job.get("adapters") or [None] * len(prompts)
+            grammars = job.get("grammars") or [None] * len(prompts)  # each prompt's constraint (None: free)
+            outputs = drive_engine(engine, [(f"r{i}", p, SamplingParams(max_new_tokens=job["new_tokens"], grammar=g),
+                                             a) for i, (p, a, g) in enumerate(zip(prompts, adapters, grammars))])
+            results[model_dir] += [output_tokens(outputs[f"r{i}"]) for i in range(len(prompts))]
+        if job.get("metrics"):
+            results["metrics:" + model_dir] = engine.metrics()
         engine.stop_ranks()
-        results[model_dir] = [output_tokens(outputs[f"r{i}"]) for i in range(len(job["prompts"]))]
         if comm.tp.pipeline is not None:  # the layers rank 0 holds (the later stages hold the rest)
             results["layers:" + model_dir] = list(engine.runner.model.held)
     if comm.rank == 0:

@@ -43,6 +43,7 @@ class AttentionBackend(abc.ABC):
     the model dtype before attending."""
 
     name: str
+    block_dim: int  # the axis of kv_cache_shape that counts blocks (the KV tiers copy whole blocks)
     preferred_block_size: int | None = None  # a block size the kernels need (flash-attn: 256)
     stores_fp8 = False
 

@@ -35,6 +35,7 @@ class FlashMetadata(NamedTuple):
 
 class FlashAttnBackend(AttentionBackend):
     name = "flash_attn"
+    block_dim = 0  # the blocks' axis of kv_cache_shape
     preferred_block_size = BLOCK_SIZE
 
     def __init__(self, *args, **kwargs):

@@ -107,6 +107,7 @@ class FlexMetadata(NamedTuple):
 
 class FlexPagedBackend(AttentionBackend):
     name = "flex"
+    block_dim = 1  # the blocks' axis of kv_cache_shape
     preferred_block_size = MIN_BLOCK
 
     def __init__(self, *args, **kwargs):

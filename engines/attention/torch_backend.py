@@ -54,6 +54,7 @@ class TorchPagedBackend(AttentionBackend):
     shape costs oneDNN ~0.4 MiB)."""
 
     name = "torch"
+    block_dim = 1  # the blocks' axis of kv_cache_shape
     stores_fp8 = True
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:

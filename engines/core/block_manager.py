@@ -15,6 +15,13 @@ them. A hit is confirmed by comparing the block's parent hash and tokens, so a h
 shares K/V. A freed block keeps its hash (it can still be hit) until the free list hands it out
 again; the free list is least recently freed first, so the least recently used prefix is evicted.
 
+The hash is a digest of the parent and the tokens, the same in every process (not Python's
+per-process `hash`): the KV tiers below the pool (engines/worker/kv_tiers.py, docs/kv-tiers.md)
+name blocks by it, across copies and restarts. With tiers on, every block as it is first cached
+is listed in `new_cached` (the engine writes it down a tier: write-through), and `adopt` takes
+blocks a lower tier holds back into the pool as cached, unreferenced blocks, so that the
+scheduler's lookup finds them like any other prefix hit.
+
 Sliding window (a model whose every layer attends to at most `window` keys back, Mistral-style):
 a request's first blocks, once wholly behind the window of its next query, are given back to the
 pool as it decodes (`release_outside_window`). Their entries stay in its block table (positions
@@ -23,6 +30,7 @@ keep their index) but are never read: the attention backends skip, or mask, keys
 
 from __future__ import annotations
 
+import hashlib
 from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
@@ -45,9 +53,28 @@ def _root(req: Request):
     return _ROOT if req.lora_name is None else ("lora", req.lora_name)
 
 
-def hash_block(parent: int | None, tokens: bytes) -> int:
-    """Chained hash of one full block (module level, so that tests can force collisions)."""
-    return hash((parent, tokens))
+def parent_bytes(parent) -> bytes:
+    """A block's parent as bytes: the hash before it (8 bytes), or its chain's root (base or adapter)."""
+    if parent is None:
+        return b"root"
+    if isinstance(parent, int):
+        return parent.to_bytes(8, "little")
+    return ("lora:" + parent[1]).encode()
+
+
+def hash_block(parent, tokens: bytes) -> int:
+    """Chained hash of one full block, a 64-bit digest the same in every process (module level, so
+    that tests can force collisions; a collision never shares K/V: `Block.holds` checks)."""
+    return int.from_bytes(hashlib.blake2b(parent_bytes(parent) + tokens, digest_size=8).digest(), "little")
+
+
+class TierBlock(NamedTuple):
+    """A full block as the KV tiers name it: its hash, and the parent and tokens that a tier checks
+    before loading it (a collision or a foreign file never loads)."""
+
+    hash: int
+    parent: bytes  # parent_bytes of its parent
+    tokens: bytes  # pack_tokens of its token ids
 
 
 def pack_tokens(tokens: Sequence[int]) -> bytes:
@@ -63,7 +90,7 @@ def _check(condition: bool, message: str) -> None:
 
 
 class Block:
-    __slots__ = ("block_id", "hash", "parent", "ref_count", "tokens")
+    __slots__ = ("block_id", "hash", "parent", "ref_count", "tokens", "tier")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
@@ -74,6 +101,7 @@ class Block:
         self.hash: int | None = None  # set while registered in the prefix cache
         self.parent: int | None = _ROOT  # hash of the block before it
         self.tokens = b""  # pack_tokens of its token ids
+        self.tier: str | None = None  # the KV tier it was loaded from, until a request first takes it
 
     def holds(self, parent: int | None, tokens: bytes) -> bool:
         return self.parent == parent and self.tokens == tokens
@@ -94,6 +122,8 @@ class BlockManager:
         self._chains: dict[str, list[int]] = {}  # request id -> hashes of its first blocks, in order
         self.num_prefix_queries_tokens = 0
         self.num_prefix_hit_tokens = 0
+        self.new_cached: list[tuple[int, TierBlock]] | None = None  # [] with KV tiers: (block id, block) cached since taken
+        self.tier_hit_tokens: Counter[str] = Counter()  # tier name → prompt tokens its loaded blocks spared
 
     @property
     def num_free_blocks(self) -> int:
@@ -196,8 +226,65 @@ class BlockManager:
             if block.hash is None and h not in self.cached and i >= req.num_released_blocks:
                 block.hash, block.parent, block.tokens = h, parent, chunk
                 self.cached[h] = block.block_id
+                if self.new_cached is not None:
+                    self.new_cached.append((block.block_id, TierBlock(h, parent_bytes(parent), chunk)))
             chain.append(h)
             parent = h
+
+    def uncached_after(self, req: Request, hit: Sequence[int]) -> list[TierBlock]:
+        """The request's full blocks after its device hit `hit` (lookup's block ids), each named as
+        a tier names it, leaving at least one token to compute: what a lower tier may hold."""
+        tokens, size = req.all_token_ids, self.block_size
+        parent = self.blocks[hit[-1]].hash if hit else _root(req)
+        out: list[TierBlock] = []
+        for i in range(len(hit), (len(tokens) - 1) // size):
+            chunk = pack_tokens(tokens[i * size:(i + 1) * size])
+            h = hash_block(parent, chunk)
+            out.append(TierBlock(h, parent_bytes(parent), chunk))
+            parent = h
+        return out
+
+    def adopt(self, req: Request, hit: Sequence[int], blocks: Sequence[TierBlock]) -> list[int]:
+        """Free blocks for `blocks` (what a lower tier holds of the request's, in chain order after
+        its device hit `hit`), cached and unreferenced, at the recently used end of the free list:
+        the caller loads their K/V before any step reads them, or `forget`s them. The hit's own
+        blocks are held meanwhile, so that adopting never evicts them."""
+        parent = self.blocks[hit[-1]].hash if hit else _root(req)
+        for block_id in hit:
+            self._ref(block_id)
+        taken: list[int] = []
+        for tb in blocks:
+            if not self.free_blocks or tb.hash in self.cached:
+                break
+            block = self.blocks[self._take_free()]
+            block.hash, block.parent, block.tokens, block.ref_count = tb.hash, parent, tb.tokens, 1
+            self.cached[tb.hash] = block.block_id
+            taken.append(block.block_id)
+            parent = tb.hash
+        for block_id in taken + list(hit):
+            self._unref(block_id)
+        return taken
+
+    def mark_loaded(self, block_id: int, tier: str) -> None:
+        """An adopted block's K/V came from `tier` (counted as that tier's hit when a request takes it)."""
+        self.blocks[block_id].tier = tier
+
+    def forget(self, block_ids: Iterable[int]) -> None:
+        """Drop cached, unreferenced blocks from the prefix cache (their K/V failed to load)."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            _check(block.ref_count == 0, f"block {block_id} is held: cannot forget it")
+            if block.hash is not None:
+                del self.cached[block.hash]
+                block.reset()
+            self.free_blocks.move_to_end(block_id, last=False)  # handed out first
+
+    def take_new_cached(self) -> list[tuple[int, TierBlock]]:
+        """The blocks cached since the last call (with KV tiers), to write down a tier."""
+        out = self.new_cached or []
+        if self.new_cached:
+            self.new_cached = []
+        return out
 
     def free(self, req: Request) -> None:
         """Drop the request's refs, tail first: its last blocks are then the first evicted."""
@@ -248,13 +335,20 @@ class BlockManager:
         num_tokens = req.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
         return max(0, self.num_blocks_for(num_tokens) - len(req.block_ids) - len(computed_blocks))
 
+    def _ref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_blocks[block_id]
+        block.ref_count += 1
+
     def _start(self, req: Request, computed_blocks: Sequence[int]) -> None:
         """First allocation (or the first after a preemption): take the prefix-cache hit."""
         for block_id in computed_blocks:
+            self._ref(block_id)
             block = self.blocks[block_id]
-            if block.ref_count == 0:
-                del self.free_blocks[block_id]
-            block.ref_count += 1
+            if block.tier is not None:
+                self.tier_hit_tokens[block.tier] += self.block_size
+                block.tier = None
         req.block_ids = list(computed_blocks)
         num_hit = len(computed_blocks) * self.block_size
         req.num_computed_tokens += num_hit

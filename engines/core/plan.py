@@ -13,6 +13,8 @@ scheduler (tensor parallelism; it crosses to them as one msgpack message):
     finished_ids      finished or aborted since the last plan
     lora_loads        LoRA adapters to load into device slots before the step (option.max_loras)
     num_steps         > 1: a multi-step decode, every scheduled request computing one token a step
+    kv_saves          blocks cached since the last plan, to write down the KV tiers before this
+                      step runs (docs/kv-tiers.md)
 """
 
 from __future__ import annotations
@@ -50,6 +52,16 @@ class LoraLoad(msgspec.Struct):
     name: str
 
 
+class BlockRef(msgspec.Struct, array_like=True):
+    """A full KV block as the KV tiers name it: its place in the pool, its chained hash, and the
+    parent and tokens a tier checks before loading it (engines/core/block_manager.py)."""
+
+    block_id: int
+    hash: int
+    parent: bytes
+    tokens: bytes
+
+
 class StepPlan(msgspec.Struct):
     plan_id: int = 0
     scheduled: list[ScheduledSeq] = []
@@ -59,6 +71,7 @@ class StepPlan(msgspec.Struct):
     finished_ids: list[str] = []
     num_steps: int = 1
     lora_loads: list[LoraLoad] = []
+    kv_saves: list[BlockRef] = []
 
     def add(self, request_id: str, num_tokens: int, spec_token_ids: list[int] | None = None) -> None:
         self.scheduled.append(ScheduledSeq(request_id, num_tokens, spec_token_ids or []))

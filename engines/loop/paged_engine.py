@@ -25,7 +25,9 @@ from engines.process.startup import TIMELINE
 from engines.protocol import STATE_READY, Add, HealthReply, Output
 from engines.dist import SingleProcess
 from engines.loop.engine_loop import EngineLoop, kv_budget_bytes
+from engines.weights.memory_plan import available_ram
 from engines.loop.lora_registry import LoraRegistry
+from engines.loop.tier_loads import TierLoads, tier_settings
 from engines.worker.mirror import Allocate, Execute, Flush, Mirrored, WarmUp, WarmUpBuckets
 from engines.worker.model_runner import ModelRunner
 from engines.worker.paged_runner import DECODE_EAGER, DECODE_GRAPHS, DECODE_INDUCTOR, PagedRunner
@@ -48,6 +50,7 @@ class PagedEngine(EngineLoop):
         self.spec = SpecStats()
         self.num_multi_steps = 0  # plans that ran more than one decode step
         self.stepper = None
+        self.tier_loads: TierLoads | None = None  # option.kv_offload_*: the KV tiers below the pool
 
     def load(self) -> None:
         self.runner.load()
@@ -60,10 +63,11 @@ class PagedEngine(EngineLoop):
         budget = kv_budget_bytes(sched, self.runner, self.comm.world_size, peak, block_size)
         num_blocks = max(budget // block_bytes, 1)
         decode_mode, why = self._decode_mode()
+        tiers = tier_settings(sched, self.comm.world_size * self.config.parallel.copies, available_ram())
         with TIMELINE.phase("kv_allocation"):
             self.paged.call(Allocate(num_blocks, block_size, sched.max_num_seqs, sched.max_num_batched_tokens,
                                      sched.attention_backend, decode_mode, sched.compile_cache_dir,
-                                     self.mode.step_kind))
+                                     self.mode.step_kind, tiers))
         with TIMELINE.phase("warm_up_buckets" if decode_mode == DECODE_EAGER else f"warm_up_buckets_{decode_mode}"):
             self.paged.call(WarmUpBuckets())
         log.info("decode steps: %s (%s)", decode_mode, why)
@@ -75,6 +79,9 @@ class PagedEngine(EngineLoop):
         self.scheduler = Scheduler(sched.max_num_seqs, sched.max_num_batched_tokens, self.blocks, self.max_model_len,
                                    sched.num_scheduler_steps, lora_slots)
         self.adapters = LoraRegistry(self.paged, lora_slots, self.reply) if lora_slots is not None else None
+        if tiers is not None:
+            self.tier_loads = TierLoads(self.blocks, self.paged)
+            log.info("KV tiers (per rank, write-through): %s", self.paged.tiers.describe())
         self.paged.target.interrupted = self._arrived  # rank 0 ends a multi-step decode for an arrival
         self.proposer = self._make_proposer(block_size)
         self.stepper = SpeculativeStepper(self, self.proposer) if self.proposer else \
@@ -155,7 +162,8 @@ class PagedEngine(EngineLoop):
                 "prefix_cache_query_tokens": bm.num_prefix_queries_tokens,
                 "preemptions": sched.num_preemptions, "running": sched.num_running,
                 "waiting": sched.num_waiting, "steps": self.num_steps, "multi_step_runs": self.num_multi_steps,
-                **self.spec.metrics(), **self.paged.sampler.grammars.metrics()}
+                **self.spec.metrics(), **self.paged.sampler.grammars.metrics(),
+                **(self.tier_loads.metrics(bm.num_prefix_queries_tokens) if self.tier_loads else {})}
 
     def stop_ranks(self) -> None:
         if self.stepper is not None:
@@ -196,12 +204,16 @@ class PagedEngine(EngineLoop):
         """One iteration of the scheduling mode's loop (steppers.py). One message crosses the ranks
         per step: the plan (the sampled tokens reach the other ranks within the step)."""
         self.num_steps += 1
+        if self.tier_loads is not None and self.scheduler.waiting:
+            self.tier_loads.before_schedule(self.scheduler)
         self.stepper.step()
         self.retire_unregistered_adapters()
 
     # -- what the steppers call --------------------------------------------------------------------
     def run_plan(self, plan: StepPlan, pipelined: bool) -> StepResult | None:
         """The runners' part of a step: sync → this plan's result; pipelined → the previous plan's."""
+        if self.tier_loads is not None:
+            plan.kv_saves = self.tier_loads.saves()
         return self.paged.call(Execute(plan, pipelined))
 
     def flush(self) -> StepResult | None:

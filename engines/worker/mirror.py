@@ -17,8 +17,9 @@ from typing import Union
 
 import msgspec
 
-from engines.core.plan import StepPlan
+from engines.core.plan import BlockRef, StepPlan
 from engines.dist import STOP, Communicator
+from engines.worker.kv_tiers import KvTierSettings
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +43,12 @@ class Allocate(msgspec.Struct, tag="allocate"):
     decode_mode: str = "eager"
     compile_cache_dir: str | None = None
     step_kind: str = "one"  # engines/worker/step_kinds.py
+    tiers: KvTierSettings | None = None  # each rank's KV tiers (docs/kv-tiers.md)
 
     def run(self, target):
         return target.allocate(self.num_blocks, self.block_size, self.max_num_seqs, self.max_num_batched_tokens,
-                               self.attention_backend, self.decode_mode, self.compile_cache_dir, self.step_kind)
+                               self.attention_backend, self.decode_mode, self.compile_cache_dir, self.step_kind,
+                               self.tiers)
 
 
 class WarmUpBuckets(msgspec.Struct, tag="warm_up_buckets"):
@@ -62,6 +65,17 @@ class Execute(msgspec.Struct, tag="execute"):
 
     def run(self, target):
         return target.execute(self.plan, self.pipelined)
+
+
+class LoadBlocks(msgspec.Struct, tag="load_blocks"):
+    """Blocks the KV tiers hold, into the pool before the next plan (the blocks cached since the
+    last plan are written down first: the pool may reuse them now)."""
+
+    saves: list[BlockRef]
+    loads: list[BlockRef]
+
+    def run(self, target):
+        return target.load_blocks(self.saves, self.loads)
 
 
 class Flush(msgspec.Struct, tag="flush"):
@@ -130,7 +144,7 @@ class Retire(msgspec.Struct, tag="retire"):
         return target.retire(self.keep)
 
 
-StepOp = Union[WarmUp, Allocate, WarmUpBuckets, Execute, Flush, RegisterLora, UnregisterLora, ActivateLora, Prefill,
+StepOp = Union[WarmUp, Allocate, WarmUpBuckets, Execute, LoadBlocks, Flush, RegisterLora, UnregisterLora, ActivateLora, Prefill,
                Merge, Decode, Retire]
 _decoder = msgspec.msgpack.Decoder(StepOp)
 _encoder = msgspec.msgpack.Encoder()

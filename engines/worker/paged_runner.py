@@ -31,9 +31,10 @@ import torch
 from engines.attention.base import AttentionBackend
 from engines.attention.step import ForwardBatch, SeqChunk
 from engines.attention.registry import select_backend
-from engines.core.plan import StepPlan
+from engines.core.plan import BlockRef, StepPlan
 from engines.worker.model_runner import ModelRunner
 from engines.worker.grammar import Grammars
+from engines.worker.kv_tiers import KvTiers, KvTierSettings, model_fingerprint
 from engines.worker.sampler import Sampler, prompt_logprobs
 from engines.worker.step_buffers import StepBuffers
 from engines.worker.step_graphs import StepGraphs
@@ -85,6 +86,7 @@ class PagedRunner:
         self.steps: OneStep = OneStep()  # how a plan runs: the engine's scheduling mode (allocate's step_kind)
         self._decode_model = runner.model  # what runs a decode step eagerly (compiled with DECODE_INDUCTOR)
         self.graphs: StepGraphs | None = None
+        self.tiers: KvTiers | None = None  # the KV tiers below the pool (option.kv_offload_*)
         self._pending: PendingStep | None = None  # launched, not resolved (pipelined)
         self._fed: tuple[torch.Tensor, dict[str, int]] | None = None  # the last step's sampled ids, rows
         # rank 0: whether a multi-step decode should stop after this step (the engine: a request arrived)
@@ -92,16 +94,20 @@ class PagedRunner:
 
     def allocate(self, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
                  attention_backend: str = "auto", decode_mode: str = DECODE_EAGER,
-                 compile_cache_dir: str | None = None, step_kind: str = "one") -> None:
+                 compile_cache_dir: str | None = None, step_kind: str = "one",
+                 tiers: KvTierSettings | None = None) -> None:
         """The attention backend and its KV cache (rank 0 sizes it and tells the others), the step
-        buffers, how decode steps run (decode_mode, chosen by the engine: docs/paged.md), and how a
-        plan runs (step_kind: the engine's scheduling mode, engines/worker/step_kinds.py)."""
+        buffers, how decode steps run (decode_mode, chosen by the engine: docs/paged.md), how a
+        plan runs (step_kind: the engine's scheduling mode, engines/worker/step_kinds.py), and the
+        KV tiers below the cache (tiers: this rank's, docs/kv-tiers.md)."""
         r = self.runner
         self.steps = STEP_KINDS[step_kind]()
         cls = select_backend(attention_backend, r.device, r.kv_dtype, r.dtype)
         self.backend = cls(r.num_layers, r.num_kv_heads, r.head_dim, block_size, r.dtype, r.device, r.layer_options,
                            r.kv_dtype, r.kv_layers)
         self.backend.allocate(num_blocks)
+        if tiers is not None:
+            self.tiers = KvTiers(tiers, self.backend, self._kv_layout(), r.comm.rank)
         max_blocks = -(-r.max_model_len // block_size)
         self.buffers = StepBuffers(max(max_num_batched_tokens, max_num_seqs), max_num_seqs, max_blocks, block_size,
                                    self.backend.scratch_block, r.device)
@@ -148,6 +154,24 @@ class PagedRunner:
     def warm_up(self, num_tokens: int) -> int:
         return self.runner.warm_up(num_tokens)
 
+    def _kv_layout(self) -> str:
+        """Everything that makes this rank's K/V bytes of a block differ: the KV tiers' namespace."""
+        r, b = self.runner, self.backend
+        shape = b.keys[b.held[0]].select(b.block_dim, 0).shape
+        return (f"{model_fingerprint(r.config.local_dir).hex()}|{r.dtype}|{r.kv_dtype}|{r.config.quantize}|"
+                f"block {b.block_size}|tp {r.comm.world_size}|{b.name} {b.block_dim} {tuple(shape)}|"
+                f"layers {list(b.held)}")
+
+    @torch.inference_mode()
+    def load_blocks(self, saves: list[BlockRef], loads: list[BlockRef]) -> list[str | None]:
+        """Write `saves` down the KV tiers, then load `loads` from them into the pool → per block the
+        name of the tier rank 0 loaded it from, None unless every rank loaded it (a block one rank
+        could not load is recomputed by all)."""
+        self.tiers.save(saves)
+        source = self.tiers.load(loads)
+        failed = self.runner.comm.all_reduce(torch.tensor([int(i < 0) for i in source], device=self.runner.device))
+        return [self.tiers.tiers[i].name if f == 0 else None for i, f in zip(source, failed.tolist())]
+
     def apply_plan(self, plan: StepPlan) -> None:
         """Take in what changed: finished/preempted requests, new ones, new blocks. (The tokens each
         step emits reach every rank's lists when it resolves.)"""
@@ -176,6 +200,8 @@ class PagedRunner:
     def execute(self, plan: StepPlan, pipelined: bool = False) -> StepResult | None:
         """Run the plan's step. Sync: → its result (rank 0; None on other ranks or when nothing was
         emitted). Pipelined: launch it, then → the result of the step launched before it."""
+        if plan.kv_saves:  # cached since the last plan: down the tiers before this step may reuse them
+            self.tiers.save(plan.kv_saves)
         try:
             launched = self._launch(plan)
             if not pipelined:
