@@ -31,7 +31,35 @@ ENGINE_METRICS = {
     "grammar_wait_seconds": ("lmi_grammar_wait_seconds", "time sampling waited for masks (not hidden by the forward)",
                              True),
     "grammar_rollbacks": ("lmi_grammar_rollbacks", "grammar rollbacks past rejected speculative tokens", True),
+    "kv_tiers_loaded_blocks": ("lmi_kv_tiers_loaded_blocks", "blocks loaded from a KV tier into the pool", True),
+    "kv_tiers_refused_blocks": ("lmi_kv_tiers_refused_blocks",
+                                "blocks a KV tier offered that some rank could not load (recomputed)", True),
 }
+# per KV tier (docs/kv-tiers.md): engine metric kv_tier_<tier>_<what> -> lmi_kv_tier_<what>{tier="<tier>"}
+KV_TIERS = ("host", "disk")
+TIER_METRICS = {
+    "hit_tokens": ("prompt tokens the tier's blocks spared from recomputing", True),
+    "hit_rate": ("prompt tokens looked up that the tier's blocks spared", False),
+    "bytes": ("bytes the tier holds (this copy's share)", False),
+    "blocks": ("blocks the tier holds (this copy's share)", False),
+    "capacity_bytes": ("bytes the tier may hold (this copy's share)", False),
+    "written_bytes": ("bytes written to the tier", True),
+    "read_bytes": ("bytes read from the tier", True),
+    "loaded_blocks": ("blocks read from the tier", True),
+    "load_seconds": ("time reading and checking blocks from the tier", True),
+    "refused_blocks": ("files refused: torn, foreign or colliding", True),
+}
+
+
+def _engine_metric(key: str) -> tuple[str, str, bool, list[str]] | None:
+    """An engine metric's Prometheus name, help, whether a counter, and its tier label (if any)."""
+    if key in ENGINE_METRICS:
+        return (*ENGINE_METRICS[key], [])
+    for tier in KV_TIERS:
+        what = key.removeprefix(f"kv_tier_{tier}_")
+        if what != key and what in TIER_METRICS:
+            return (f"lmi_kv_tier_{what}", *TIER_METRICS[what], [tier])
+    return None
 
 
 class _EngineCollector:
@@ -67,11 +95,13 @@ class _EngineCollector:
             for phase, seconds in r.startup.items():
                 phases.add_metric([*key(label), phase], seconds)
             for k, value in r.metrics.items():
-                if k in ENGINE_METRICS:
-                    name, doc, is_counter = ENGINE_METRICS[k]
+                known = _engine_metric(k)
+                if known is not None:
+                    name, doc, is_counter, tier = known
                     if name not in engine:
-                        engine[name] = family(CounterMetricFamily if is_counter else GaugeMetricFamily, name, doc)
-                    engine[name].add_metric(key(label), value)
+                        engine[name] = family(CounterMetricFamily if is_counter else GaugeMetricFamily, name, doc,
+                                              ["tier"] if tier else ())
+                    engine[name].add_metric([*key(label), *tier], value)
         yield up
         yield from families.values()
         yield phases

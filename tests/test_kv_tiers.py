@@ -65,7 +65,7 @@ def test_evicted_blocks_come_back_from_a_tier_with_hf_greedy_tokens(tiny_model, 
     # every full block of each prompt (but a last token's) from the highest tier there is
     want = sum((len(p) - 1) // 16 * 16 for p in PROMPTS)
     assert tier_hits(engine, "host" if memory else "disk") == want
-    assert engine.metrics()["kv_tier_refused_blocks"] == 0
+    assert engine.metrics()["kv_tiers_refused_blocks"] == 0
     engine.blocks.check_invariants([])
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
 
@@ -204,7 +204,7 @@ def test_a_torn_block_is_refused_and_recomputed(tiny_model, hf, tmp_path, caplog
     assert [r for r in caplog.records if f"{second_block:016x}.kv" in r.getMessage() and reason in r.getMessage()]
     m = again.metrics()
     assert m["kv_tier_disk_refused_blocks"] == 1 and m["kv_tier_disk_hit_tokens"] == 16
-    assert m["kv_tier_refused_blocks"] == (1 if how == "torn" else 0)  # adopted, then refused by the load
+    assert m["kv_tiers_refused_blocks"] == (1 if how == "torn" else 0)  # adopted, then refused by the load
     assert second_block in disk_files(again)  # recomputed, and written down again
 
 
@@ -288,3 +288,76 @@ def test_block_hashes_are_the_same_in_every_process():
     seen = {subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed},
                            capture_output=True, text=True, check=True).stdout for seed in ("1", "2")}
     assert len(seen) == 1 and len(seen.pop().split()) == 2
+
+
+# -- copies behind one front end ------------------------------------------------------------------------
+COPIES = ("engine=Python\noption.dtype=fp32\noption.kv_cache_memory=192KiB\nmaxWorkers=2\nhttp_workers=1\n"
+          "option.enable_prefix_caching=true\noption.max_new_tokens=4\n")
+WORDS = "river stone cloud market lantern harbor meadow signal copper willow thunder garden".split()
+
+
+def conversation_turns(n_conversations: int, n_turns: int) -> list[str]:
+    """Each conversation's prompt grows by a new question every turn (history + question, as chat
+    clients send it); conversations take turns, so that with two copies each moves between them."""
+    history = [f"Conversation {c}:" for c in range(n_conversations)]
+    sent = []
+    for t in range(n_turns):
+        for c in range(n_conversations):
+            words = [WORDS[(7 * c + 5 * t + 3 * i) % len(WORDS)] for i in range(24)]
+            history[c] += f" Question {t}: " + " ".join(words) + "."
+            sent.append(history[c])
+    return sent
+
+
+def served_hit_rate(server) -> tuple[float, str]:
+    import requests
+
+    for prompt in conversation_turns(3, 4):
+        r = requests.post(server.url + "/invocations", json={"inputs": prompt}, timeout=60)
+        assert r.status_code == 200, r.text
+    text = requests.get(server.url + "/metrics", timeout=10).text
+    total = lambda name: sum(float(line.split()[-1]) for line in text.splitlines()  # noqa: E731
+                             if line.startswith(name + "_total{"))
+    return total("lmi_prefix_cache_hit_tokens") / total("lmi_prefix_cache_query_tokens"), text
+
+
+def test_two_copies_share_the_host_tier(tiny_model, start_server, tmp_path):
+    """Two copies, three conversations alternating between them: with the shared host tier a turn
+    finds its history whichever copy wrote it; without it, only when the same copy still holds it."""
+    from tests.test_copies import metric, wait_for
+    import requests
+
+    tiers = f"option.kv_offload_memory=32MiB\noption.kv_offload_memory_dir={tmp_path / 'shm'}\n"
+    rates = {}
+    for name, props in (("without", COPIES), ("with", COPIES + tiers)):
+        server = start_server(props, tiny_model)
+        wait_for(lambda: all(metric(requests.get(server.url + "/metrics", timeout=10).text, "lmi_engine_ready", c)
+                             == 1.0 for c in "01"), 60, "both copies ready")
+        rates[name], text = served_hit_rate(server)
+        assert server.stop() == 0
+    assert rates["with"] >= 2 * rates["without"] and rates["with"] > 0.5, rates
+    assert 'lmi_kv_tier_hit_tokens_total{copy="0",tier="host"}' in text
+    assert 'lmi_kv_tier_hit_tokens_total{copy="1",tier="host"}' in text
+    assert "host tier" in server.log() and str(tmp_path / "shm") in server.log()
+
+
+def test_the_configurations_the_tiers_cannot_serve_are_refused(tiny_model, tmp_path):
+    from container.keys import ConfigError
+    from tests.test_copies import build
+
+    tiers = {"option.kv_offload_memory": "16MiB", "option.kv_offload_memory_dir": str(tmp_path)}
+    on = {"option.enable_prefix_caching": "true", **tiers}
+    sched = build(on, tiny=tiny_model).scheduler
+    assert (sched.kv_offload_memory, sched.kv_offload_memory_dir, sched.kv_offload_dir) == ("16MiB", str(tmp_path), None)
+    with pytest.raises(ConfigError, match="set option.enable_prefix_caching=true"):
+        build(tiers, tiny=tiny_model)
+    with pytest.raises(ConfigError, match="keeps the paged engine's KV blocks, and this configuration runs the "
+                                          "dynamic engine"):
+        build({**on, "batch_size": "4", "option.rolling_batch": "disable"}, tiny=tiny_model)
+    with pytest.raises(ConfigError, match="pipeline_parallel_degree=2: the KV tiers support tensor parallelism"):
+        build({**on, "option.pipeline_parallel_degree": "2", "option.tensor_parallel_degree": "1"}, tiny=tiny_model)
+    with pytest.raises(ConfigError, match=r"does not fit .*: its filesystem has \d+ MiB free \(docker run --shm-size"):
+        build({**on, "option.kv_offload_memory": "9000000GiB"}, tiny=tiny_model)
+    disk = build({"option.enable_prefix_caching": "true", "option.kv_offload_dir": str(tmp_path / "d")},
+                 tiny=tiny_model).scheduler
+    assert (disk.kv_offload_memory, disk.kv_offload_dir, disk.kv_offload_disk) == (None, str(tmp_path / "d"), "0.5")

@@ -91,6 +91,6 @@ class TierLoads:
             hit = self.blocks.tier_hit_tokens[tier.name]
             out[f"kv_tier_{tier.name}_hit_tokens"] = hit
             out[f"kv_tier_{tier.name}_hit_rate"] = hit / query_tokens if query_tokens else 0.0
-        out["kv_tier_loaded_blocks"] = self.num_loaded_blocks
-        out["kv_tier_refused_blocks"] = self.num_refused_blocks
+        out["kv_tiers_loaded_blocks"] = self.num_loaded_blocks
+        out["kv_tiers_refused_blocks"] = self.num_refused_blocks
         return out

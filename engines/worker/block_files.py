@@ -177,8 +177,7 @@ class BlockFiles:
         return {f"kv_tier_{n}_bytes": self.num_bytes, f"kv_tier_{n}_blocks": len(self.held),
                 f"kv_tier_{n}_capacity_bytes": self.capacity, f"kv_tier_{n}_refused_blocks": self.num_refused,
                 f"kv_tier_{n}_written_bytes": self.bytes_written, f"kv_tier_{n}_read_bytes": self.bytes_read,
-                f"kv_tier_{n}_loaded_blocks": self.num_read,
-                f"kv_tier_{n}_load_ms_mean": 1000 * self.read_seconds / self.num_read if self.num_read else 0.0}
+                f"kv_tier_{n}_loaded_blocks": self.num_read, f"kv_tier_{n}_load_seconds": self.read_seconds}
 
 
 def _remove(path: str) -> None:
