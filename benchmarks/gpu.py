@@ -172,7 +172,8 @@ def job_probe(job: dict) -> dict:
 
     cuda = torch.cuda.is_available()
     return {"cuda": cuda, "device_name": torch.cuda.get_device_name(0) if cuda else "cpu",
-            "torch_cuda": torch.version.cuda, "gpu_count": torch.cuda.device_count() if cuda else 0}
+            "torch_cuda": torch.version.cuda, "gpu_count": torch.cuda.device_count() if cuda else 0,
+            "memory_bytes": torch.cuda.get_device_properties(0).total_memory if cuda else 0}
 
 
 def job_write(job: dict) -> dict:
@@ -638,6 +639,27 @@ def ensure_model(ctx: dict, allowed: float) -> dict:
     return dict(child_job("write", ctx, allowed), written=ctx["model_dir"])
 
 
+def run_multiturn(args, ctx: dict, report: dict) -> dict:
+    """benchmarks/multiturn.py on this GPU (docs/kv-tiers.md): the pool sized by
+    gpu_memory_utilization to the weights + 6 GiB (about 4 GiB of KV for the 7B shape: ~8,000
+    tokens), 16 conversations of a 1,024-token document and 64-token turns: a working set 4x+ the pool."""
+    from benchmarks import multiturn
+
+    total = ctx["probe"].get("memory_bytes") or 80 * 2**30
+    utilization = min(0.9, (report["weight_bytes"] + 6 * 2**30) / total)
+    out = os.path.splitext(args.out)[0] + "_multiturn.json"
+    multiturn.main(["--model-dir", ctx["model_dir"], "--conversations", "16", "--doc-tokens", "1024",
+                    "--question-tokens", "64", "--answer-tokens", "64", "--rounds", "2", "--restart-docs", "3",
+                    "--extra", f"option.dtype=bf16;option.gpu_memory_utilization={utilization:.3f};"
+                               "option.max_model_len=4096", "--out", out])
+    with open(out) as f:
+        result = json.load(f)
+    ttft = result.get("turns", {}).get("ttft", {})
+    p50 = {name: [statistics.median(v) for v in per_turn] for name, per_turn in ttft.items()}
+    return {"out": out, "utilization": utilization, "ttft_p50": p50,
+            "host_vs_off_from_turn_3": [a / b for a, b in zip(p50.get("tiers off", [])[2:], p50.get("host tier", [])[2:])]}
+
+
 def run(args, ctx: dict, report: dict) -> None:
     budget = Budget(args.budget_s)
     phases = report["phases"]
@@ -650,6 +672,9 @@ def run(args, ctx: dict, report: dict) -> None:
     report["num_parameters"], embedding = count_parameters(ctx["model_dir"])
     # what a decode step reads: every weight but the input embedding (one row a token), in bf16
     report["weight_bytes"] = 2 * (report["num_parameters"] - embedding)
+    if args.multiturn:
+        phases["multiturn"] = phase(report, "multiturn", budget, lambda s: run_multiturn(args, ctx, report))
+        return
     phases["tests"] = ({"skipped": "--skip-tests"} if args.skip_tests else
                        phase(report, "tests", budget, lambda s: run_tests(ctx, s)))
     phases["bandwidth"] = phase(report, "bandwidth", budget, lambda s: child_job("bandwidth", ctx, s))
@@ -704,6 +729,8 @@ def parse(argv):
     p.add_argument("--new-tokens", type=int, help="new tokens per request (default 128; 16 with --smoke)")
     p.add_argument("--ttft-prompt", type=int, help="the TTFT prompt's tokens (default 2048; 64 with --smoke)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--multiturn", action="store_true", help="only the multi-turn KV-tier run (benchmarks/multiturn.py "
+                                                            "on this GPU, docs/kv-tiers.md) after the model phase")
     p.add_argument("--one", choices=sorted(JOBS), help=argparse.SUPPRESS)
     p.add_argument("--job", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

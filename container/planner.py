@@ -8,6 +8,7 @@ import glob
 import json
 import os
 import re
+import shutil
 from dataclasses import asdict
 
 from container.config import query_gpus
@@ -126,6 +127,13 @@ def workload(resolved, shape: ModelShape, machine: Machine, engine_kind: str, *,
     prompt = prompt_tokens if prompt_tokens is not None else shape.max_model_len - output
     spec = resolved["option.kv_cache_memory"]
     kv_bytes = memory_bytes(spec, machine.device_bytes) if spec and not machine.is_gpu else None
+    tiers = []  # a fraction: of this host's RAM, of the free space under the disk tier's folder (0 when not there)
+    if resolved["option.kv_offload_memory"]:
+        tiers.append(("host", memory_bytes(resolved["option.kv_offload_memory"], available_ram())))
+    if resolved["option.kv_offload_dir"]:
+        folder = resolved["option.kv_offload_dir"]
+        free = shutil.disk_usage(folder).free if os.path.isdir(folder) else 0
+        tiers.append(("disk", memory_bytes(resolved["option.kv_offload_disk"], free)))
     return Workload(dtype=dtype.dtype, dtype_why=dtype.why, tensor_parallel_degree=tp,
                     max_num_seqs=resolved["option.max_rolling_batch_size"],
                     max_num_batched_tokens=resolved["option.max_rolling_batch_prefill_tokens"],
@@ -133,7 +141,7 @@ def workload(resolved, shape: ModelShape, machine: Machine, engine_kind: str, *,
                     kv_block_size=resolved["option.kv_block_size"],
                     gpu_memory_utilization=resolved["option.gpu_memory_utilization"], kv_cache_bytes=kv_bytes,
                     is_paged=engine_kind == ENGINE_PAGED, quantize=resolved["option.quantize"],
-                    kv_cache_dtype=resolved["option.kv_cache_dtype"])
+                    kv_cache_dtype=resolved["option.kv_cache_dtype"], kv_tier_bytes=tuple(tiers))
 
 
 def summary(p: Plan) -> str:
@@ -166,6 +174,8 @@ def table(p: Plan) -> list[str]:
             ("KV bytes per token per rank", f"{p.kv_bytes_per_token:,}"),
             ("KV cache per rank", f"{gib(p.kv_bytes)} ({p.kv_bytes:,} bytes)"),
             ("KV tokens that fit", f"{p.kv_tokens:,}"),
+            *((f"KV {name} tier below the pool", f"{gib(size)}: {p.kv_tier_tokens[name]:,} tokens")
+              for name, size in w.kv_tier_bytes),
             (f"sequences of {w.prompt_tokens:,}+{w.output_tokens:,} tokens", f"{p.max_concurrent_seqs:,}"),
             ("max_rolling_batch_size reachable", _yes_no(p.max_concurrent_seqs >= w.max_num_seqs, w.max_num_seqs)),
             ("max_num_batched_tokens reachable", _yes_no(p.kv_tokens >= w.max_num_batched_tokens,
@@ -182,7 +192,7 @@ def _yes_no(ok: bool, value: int) -> str:
 def to_json(p: Plan) -> str:
     body = {k: v for k, v in asdict(p).items() if k not in ("shape", "machine", "workload")}
     body.update(shape=p.shape.to_dict(), machine=asdict(p.machine), workload=asdict(p.workload), fits=p.fits,
-                summary=summary(p))
+                summary=summary(p), kv_tier_tokens=p.kv_tier_tokens)
     return json.dumps(body, indent=2)
 
 

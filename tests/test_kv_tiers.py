@@ -70,6 +70,16 @@ def test_evicted_blocks_come_back_from_a_tier_with_hf_greedy_tokens(tiny_model, 
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
 
 
+@pytest.mark.parametrize("mode", [{"async_scheduling": False}, {"num_scheduler_steps": 4}], ids=["sync", "multi-step"])
+def test_every_scheduling_mode(tiny_model, hf, tmp_path, mode):
+    """The default (async: plan k + 1 made while plan k runs) is above; sync and multi-step plans
+    carry the saves and see the loaded blocks too."""
+    engine = tiered(tiny_model, tmp_path, **mode)
+    first, again = three_rounds(engine)
+    assert first == again == [hf(p, NEW_TOKENS) for p in PROMPTS]
+    assert tier_hits(engine, "host") == sum((len(p) - 1) // 16 * 16 for p in PROMPTS)
+
+
 def test_without_tiers_the_same_rounds_recompute(tiny_model, hf, tmp_path):
     """The control: the pool alone has forgotten the prompts by the third round."""
     engine = local_engine(tiny_model, "paged", enable_prefix_caching=True, kv_cache_memory=POOL)
@@ -361,3 +371,20 @@ def test_the_configurations_the_tiers_cannot_serve_are_refused(tiny_model, tmp_p
     disk = build({"option.enable_prefix_caching": "true", "option.kv_offload_dir": str(tmp_path / "d")},
                  tiny=tiny_model).scheduler
     assert (disk.kv_offload_memory, disk.kv_offload_dir, disk.kv_offload_disk) == (None, str(tmp_path / "d"), "0.5")
+
+
+def test_lmi_plan_counts_the_tiers(tiny_model, tmp_path):
+    from container import config as cfgmod
+    from container import planner
+    from engines.weights.memory_plan import Machine, plan
+
+    resolved = cfgmod.resolve({"option.enable_prefix_caching": "true", "option.kv_offload_memory": "3MiB",
+                               "option.kv_offload_dir": str(tmp_path), "option.kv_offload_disk": "6MiB",
+                               "option.dtype": "fp32"}, {})
+    shape = planner.read_model_shape(str(tiny_model))
+    p = plan(shape, Machine("cpu", 0, 8 * 2**30), planner.workload(resolved, shape, Machine("cpu", 0, 8 * 2**30),
+                                                                    "paged"))
+    assert p.kv_bytes_per_token == 512 and p.kv_tier_tokens == {"host": 3 * 2**20 // 512, "disk": 6 * 2**20 // 512}
+    rows = [" ".join(row.split()) for row in planner.table(p)]
+    assert "KV host tier below the pool 3.00 MiB: 6,144 tokens" in rows
+    assert "KV disk tier below the pool 6.00 MiB: 12,288 tokens" in rows

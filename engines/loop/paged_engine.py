@@ -168,6 +168,7 @@ class PagedEngine(EngineLoop):
     def stop_ranks(self) -> None:
         if self.stepper is not None:
             self.stepper.drain()
+        self.paged.target.close()
         self.paged.stop()
 
     @property

@@ -69,6 +69,8 @@ def run_shard(config: LmiConfig, comm: Communicator) -> int:
         target = PaddedBatch(runner)
     log.info("rank %d ready", comm.rank)
     serve_steps(target, comm)
+    if config.scheduler.engine_kind == ENGINE_PAGED:
+        target.close()
     log.info("rank %d stopping", comm.rank)
     return 0
 

@@ -144,6 +144,7 @@ class Workload:
     kv_cache_dtype: str = "auto"  # option.kv_cache_dtype: auto (the model dtype) | fp8 | fp8_e4m3 | fp8_e5m2
     is_paged: bool = True
     dtype_why: str = ""  # why this dtype (engines/devices.py), for the plan's table
+    kv_tier_bytes: tuple[tuple[str, int], ...] = ()  # the KV tiers (docs/kv-tiers.md): (host | disk, bytes, all ranks)
 
     @property
     def sequence_tokens(self) -> int:
@@ -169,6 +170,12 @@ class Plan:
     @property
     def fits(self) -> bool:
         return not self.problems
+
+    @property
+    def kv_tier_tokens(self) -> dict[str, int]:
+        """Tokens each KV tier holds below the pool (its bytes over every rank's bytes per token)."""
+        per_token = self.kv_bytes_per_token * self.workload.tensor_parallel_degree
+        return {name: size // per_token for name, size in self.workload.kv_tier_bytes} if per_token else {}
 
 
 def cpu_kv_budget_bytes(kv_bytes_per_token: int, max_num_seqs: int, max_model_len: int, available: int,

@@ -78,7 +78,8 @@ class BlockFiles:
         self._evict()
 
     def has(self, block_hash: int) -> bool:
-        return block_hash in self.held or os.path.exists(block_path(self.folder, block_hash))
+        """Whether the file is there (written by this process or another copy; one stat call)."""
+        return os.path.exists(block_path(self.folder, block_hash))
 
     def write(self, block_hash: int, parent: bytes, tokens: bytes, payload: memoryview) -> None:
         if block_hash in self.held:

@@ -13,8 +13,9 @@ A block's payload, whatever the backend's layout, is its slice of each cache vie
     cache [H, N + 1, B, D] (torch, flex) or [N + 1, B, H, D] (flash), block dim `block_dim`
     payload of block b = stack(cache.select(block_dim, b) for K, V of every held layer)   # [2L, ...] bytes
 
-On a GPU the slices are copied to pinned host memory on a stream of their own, after the step
-that computed them; the files are written at the next tier call, once the copy is done. On a
+On a GPU the slices are gathered and copied to pinned host memory on a stream of their own, after
+the step that computed them (the next step waits for the gather only, not for the host copy); the
+files are written once the copy is done (`poll` after each launch, or the next tier call). On a
 CPU the pool is host memory already: the copy and the writes happen in the call.
 """
 
@@ -80,7 +81,8 @@ class KvTiers:
         self.payload_len = len(self.caches) * self.caches[0].select(bd, 0).numel()
         self.cuda = backend.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(backend.device) if self.cuda else None
-        self._pending: tuple[torch.Tensor, torch.cuda.Event | None, list[BlockRef]] | None = None
+        # the last save: host rows, the event of their copy (GPU), the blocks, the device rows
+        self._pending: tuple | None = None
 
     def describe(self) -> str:
         return "; ".join(f"{t.name} tier {t.folder}: {t.capacity / 2**20:.0f} MiB, {len(t.held)} blocks "
@@ -100,20 +102,32 @@ class KvTiers:
             return
         idx = torch.tensor([r.block_id for r in refs], device=self.backend.device)
         if self.cuda:
-            self.copy_stream.wait_stream(torch.cuda.current_stream(self.backend.device))
+            compute = torch.cuda.current_stream(self.backend.device)
+            self.copy_stream.wait_stream(compute)  # after the step that computed them
             with torch.cuda.stream(self.copy_stream):
-                snap = self._gather(idx).to("cpu", non_blocking=True)  # (a non-blocking copy to the host is pinned)
-                event = torch.cuda.Event()
-                event.record(self.copy_stream)
-            self._pending = (snap, event, refs)
+                rows = self._gather(idx)  # on the device, block first
+                gathered = torch.cuda.Event()
+                gathered.record(self.copy_stream)
+                snap = torch.empty(rows.shape, dtype=torch.uint8, pin_memory=True)
+                snap.copy_(rows, non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record(self.copy_stream)
+            compute.wait_event(gathered)  # a later step may overwrite the blocks once gathered, not before
+            self._pending = (snap, copied, refs, rows)  # (rows lives until the host copy is done)
         else:
-            self._pending = (self._gather(idx), None, refs)
+            self._pending = (self._gather(idx), None, refs, None)
+            self.finish_writes()
+
+    def poll(self) -> None:
+        """Write the last save's files if its copy is done (a GPU's copy stream): never waits."""
+        if self._pending is not None and (self._pending[1] is None or self._pending[1].query()):
             self.finish_writes()
 
     def finish_writes(self) -> None:
+        """Wait for the last save's copy, then write its files."""
         if self._pending is None:
             return
-        snap, event, refs = self._pending
+        snap, event, refs, _ = self._pending
         self._pending = None
         if event is not None:
             event.synchronize()

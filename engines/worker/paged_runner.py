@@ -154,6 +154,11 @@ class PagedRunner:
     def warm_up(self, num_tokens: int) -> int:
         return self.runner.warm_up(num_tokens)
 
+    def close(self) -> None:
+        """Before the process ends: the KV tiers' last files written."""
+        if self.tiers is not None:
+            self.tiers.finish_writes()
+
     def _kv_layout(self) -> str:
         """Everything that makes this rank's K/V bytes of a block differ: the KV tiers' namespace."""
         r, b = self.runner, self.backend
@@ -204,6 +209,8 @@ class PagedRunner:
             self.tiers.save(plan.kv_saves)
         try:
             launched = self._launch(plan)
+            if self.tiers is not None:
+                self.tiers.poll()  # (a GPU: the last save's files, once its copy is done)
             if not pipelined:
                 return self._resolve(launched)
             previous, self._pending = self._pending, launched
