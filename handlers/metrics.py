@@ -48,6 +48,7 @@ TIER_METRICS = {
     "loaded_blocks": ("blocks read from the tier", True),
     "load_seconds": ("time reading and checking blocks from the tier", True),
     "refused_blocks": ("files refused: torn, foreign or colliding", True),
+    "write_errors": ("writes the file system refused (full, folder gone): those blocks not kept", True),
 }
 
 

@@ -80,6 +80,25 @@ def test_every_scheduling_mode(tiny_model, hf, tmp_path, mode):
     assert tier_hits(engine, "host") == sum((len(p) - 1) // 16 * 16 for p in PROMPTS)
 
 
+def test_a_request_the_tiers_know_nothing_of_does_not_hold_back_those_behind_it(tiny_model, hf, tmp_path):
+    """All at once in the queue: a new prompt first, then the prompts the tiers hold, each of those
+    still finds every one of its blocks there."""
+    from engines.protocol import Add
+
+    engine = tiered(tiny_model, tmp_path)
+    run(engine, PROMPTS, "first")
+    run(engine, FILLERS, "filler")
+    outputs: dict = {}
+    engine.publish = lambda outs: [outputs.setdefault(o.request_id, []).append(o) for o in outs]
+    sp = SamplingParams(max_new_tokens=NEW_TOKENS)
+    for i, prompt in enumerate([[1] + [9] * 40] + PROMPTS):  # (the first: no block of it in any tier)
+        engine.add(Add(f"q{i}", prompt, sp))
+    while engine.has_work():
+        engine.step()
+    assert [output_tokens(outputs[f"q{i + 1}"]) for i in range(len(PROMPTS))] == [hf(p, NEW_TOKENS) for p in PROMPTS]
+    assert tier_hits(engine, "host") == sum((len(p) - 1) // 16 * 16 for p in PROMPTS)
+
+
 def test_without_tiers_the_same_rounds_recompute(tiny_model, hf, tmp_path):
     """The control: the pool alone has forgotten the prompts by the third round."""
     engine = local_engine(tiny_model, "paged", enable_prefix_caching=True, kv_cache_memory=POOL)
@@ -160,6 +179,20 @@ def test_tensor_parallel_2_each_rank_its_shard(tiny_model, hf, tmp_path):
                                                                               for p in PROMPTS)
     namespaces = os.listdir(tmp_path / "disk")
     assert len(namespaces) == 1 and sorted(os.listdir(tmp_path / "disk" / namespaces[0])) == ["r0", "r1"]
+
+
+def test_a_tier_that_cannot_be_written_costs_only_its_hits(tiny_model, hf, tmp_path, caplog):
+    """The host tier's folder removed under a serving engine (someone cleaned /dev/shm): writes
+    fail, are logged and counted, and every request is still served, from the disk tier."""
+    engine = tiered(tiny_model, tmp_path)
+    run(engine, PROMPTS[:1], "first")
+    shutil.rmtree(tmp_path / "shm")
+    with caplog.at_level(logging.WARNING, logger="engines.worker.block_files"):
+        first, again = three_rounds(engine, PROMPTS[1:])
+    assert first == again == [hf(p, NEW_TOKENS) for p in PROMPTS[1:]]
+    m = engine.metrics()
+    assert m["kv_tier_host_write_errors"] > 0 and "cannot write" in caplog.text
+    assert m["kv_tier_disk_hit_tokens"] == sum((len(p) - 1) // 16 * 16 for p in PROMPTS[1:])
 
 
 # -- restarts, torn and foreign tiers ------------------------------------------------------------------

@@ -25,7 +25,6 @@ from engines.process.startup import TIMELINE
 from engines.protocol import STATE_READY, Add, HealthReply, Output
 from engines.dist import SingleProcess
 from engines.loop.engine_loop import EngineLoop, kv_budget_bytes
-from engines.weights.memory_plan import available_ram
 from engines.loop.lora_registry import LoraRegistry
 from engines.loop.tier_loads import TierLoads, tier_settings
 from engines.worker.mirror import Allocate, Execute, Flush, Mirrored, WarmUp, WarmUpBuckets
@@ -34,6 +33,7 @@ from engines.worker.paged_runner import DECODE_EAGER, DECODE_GRAPHS, DECODE_INDU
 from engines.worker.sampler import PromptLogprobs
 from engines.worker.step_output import StepResult
 from engines.loop.steppers import PipelinedStepper, SpeculativeStepper, SyncStepper
+from engines.weights.memory_plan import available_ram
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ being read: the scheduler only sees blocks every rank has loaded.
 
 from __future__ import annotations
 
-import logging
+import itertools
 import os
 import shutil
 
@@ -24,8 +24,6 @@ from engines.core.plan import BlockRef
 from engines.core.scheduler import Scheduler
 from engines.worker.kv_tiers import KvTierSettings
 from engines.worker.mirror import LoadBlocks, Mirrored
-
-log = logging.getLogger(__name__)
 
 
 def tier_settings(sched: SchedulerConfig, num_ranks: int, available_ram: int) -> KvTierSettings | None:
@@ -58,20 +56,20 @@ class TierLoads:
         room = scheduler.max_num_seqs - scheduler.num_running
         free = bm.num_free_blocks  # what the requests before this one will take, taken off
         refs: list[BlockRef] = []
-        for req in list(scheduler.waiting)[:max(room, 0)]:
+        for req in itertools.islice(scheduler.waiting, max(room, 0)):
             hit, next_hash = bm.lookup(req)
-            if next_hash is None:
-                continue  # all cached already, or it may not use the prefix cache
-            wanted = bm.uncached_after(req, hit)
-            n = self.tiers.held_run([tb.hash for tb in wanted])
+            # next_hash None: all cached already, or it may not use the prefix cache
+            wanted = bm.uncached_after(req, hit) if next_hash is not None else []
+            n = self.tiers.held_run([tb.hash for tb in wanted]) if wanted else 0
             # leave the free blocks its other tokens need: adopted blocks are evicted first otherwise
             rest = bm.num_blocks_for(req.num_tokens - (len(hit) + n) * bm.block_size)
             n = min(n, free - rest)
-            if n <= 0:
-                break  # the pool cannot take it: neither can it take those behind it (first come first served)
-            taken = bm.adopt(req, hit, wanted[:n])
-            refs += [BlockRef(b, *tb) for b, tb in zip(taken, wanted)]
-            free -= n + rest
+            if n > 0:
+                taken = bm.adopt(req, hit, wanted[:n])
+                refs += [BlockRef(b, *tb) for b, tb in zip(taken, wanted)]
+            free -= max(n, 0) + rest
+            if free <= 0:
+                break  # the requests behind it will not be admitted this step
         # a block a later request's adoption took back is that request's now: load what each holds
         refs = [r for r in refs if bm.blocks[r.block_id].hash == r.hash]
         if not refs:

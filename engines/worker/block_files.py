@@ -51,6 +51,7 @@ class BlockFiles:
         self.held: OrderedDict[int, int] = OrderedDict()  # hash → file bytes, least recently used first
         self.num_bytes = 0
         self.num_refused = 0  # files refused on start or on read: torn, foreign, colliding
+        self.num_write_errors = 0  # writes the file system refused (full, folder gone): the block is not kept
         self.num_written = self.bytes_written = 0
         self.num_read = self.bytes_read = 0
         self.read_seconds = 0.0
@@ -66,11 +67,14 @@ class BlockFiles:
                 continue
             if not entry.name.endswith(".kv"):
                 continue
-            why = self._check_header(entry.path)
+            try:
+                why = self._check_header(entry.path)
+                st = entry.stat()
+            except OSError:
+                continue  # removed meanwhile (another copy's eviction)
             if why:
                 self._refuse(entry.path, why)
                 continue
-            st = entry.stat()
             entries.append((st.st_mtime, int(entry.name[:-3], 16), st.st_size))
         for _, block_hash, size in sorted(entries):
             self.held[block_hash] = size
@@ -82,16 +86,26 @@ class BlockFiles:
         return os.path.exists(block_path(self.folder, block_hash))
 
     def write(self, block_hash: int, parent: bytes, tokens: bytes, payload: memoryview) -> None:
+        """Keep the block (a tier is a cache: a write the file system refuses is logged and counted,
+        and the block is only not kept)."""
         if block_hash in self.held:
             return
         path = block_path(self.folder, block_hash)
         header = _HEADER.pack(MAGIC, self.namespace, block_hash, zlib.crc32(payload), len(payload), len(parent),
                               len(tokens))
         tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(header + parent + tokens)
-            f.write(payload)
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(header + parent + tokens)
+                f.write(payload)
+            os.replace(tmp, path)
+        except OSError as exc:
+            self.num_write_errors += 1
+            if self.num_write_errors in (1, 10, 100) or self.num_write_errors % 1000 == 0:
+                log.warning("KV %s tier: cannot write %s (%s); %d writes failed so far", self.name, path, exc,
+                            self.num_write_errors)
+            _remove(tmp)
+            return
         size = _HEADER.size + len(parent) + len(tokens) + len(payload)
         self.held[block_hash] = size
         self.num_bytes += size
@@ -106,7 +120,9 @@ class BlockFiles:
         try:
             with open(path, "rb") as f:
                 data = f.read()
-        except FileNotFoundError:
+        except OSError as exc:  # gone (another copy evicted it), or unreadable
+            if not isinstance(exc, FileNotFoundError):
+                log.warning("KV %s tier: cannot read %s (%s); the block is recomputed", self.name, path, exc)
             self._drop(block_hash)
             return None
         why = self._check(data, block_hash, parent, tokens, payload_len)
@@ -119,7 +135,10 @@ class BlockFiles:
         else:  # another copy's: ours to evict too, from now on
             self.held[block_hash] = len(data)
             self.num_bytes += len(data)
-        os.utime(path)  # recently used, for a scan after a restart
+        try:
+            os.utime(path)  # recently used, for a scan after a restart
+        except OSError:
+            pass  # (evicted by another copy since: the bytes read stand)
         self.num_read += 1
         self.bytes_read += len(data)
         self.read_seconds += time.perf_counter() - start
@@ -177,6 +196,7 @@ class BlockFiles:
         n = self.name
         return {f"kv_tier_{n}_bytes": self.num_bytes, f"kv_tier_{n}_blocks": len(self.held),
                 f"kv_tier_{n}_capacity_bytes": self.capacity, f"kv_tier_{n}_refused_blocks": self.num_refused,
+                f"kv_tier_{n}_write_errors": self.num_write_errors,
                 f"kv_tier_{n}_written_bytes": self.bytes_written, f"kv_tier_{n}_read_bytes": self.bytes_read,
                 f"kv_tier_{n}_loaded_blocks": self.num_read, f"kv_tier_{n}_load_seconds": self.read_seconds}
 
@@ -184,5 +204,5 @@ class BlockFiles:
 def _remove(path: str) -> None:
     try:
         os.remove(path)
-    except FileNotFoundError:
-        pass
+    except OSError:
+        pass  # gone already (another copy), or not ours to remove
