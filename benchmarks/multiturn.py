@@ -32,6 +32,7 @@ import time
 
 import requests
 
+from benchmarks.peers import host
 from benchmarks.server import BenchServer
 from benchmarks.workloads import prompt_of_length
 from container.model_maker import corpus_lines
@@ -39,14 +40,6 @@ from handlers.tokenizer import TextTokenizer
 
 BASE = ("engine=Python\noption.rolling_batch=lmi-dist\noption.max_rolling_batch_size=8\n"
         "option.max_rolling_batch_prefill_tokens=2048\noption.enable_prefix_caching=true\n")
-
-
-def host() -> dict[str, str]:
-    from engines.devices import cpu_flags, describe_cpu
-
-    with open("/proc/cpuinfo") as f:
-        name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
-    return {"cpu": name, "flags": describe_cpu(cpu_flags()), "cores": str(os.cpu_count())}
 
 
 def conversations(model_dir: str, n: int, turns: int, doc: int, question: int, seed: int) -> list[dict]:
