@@ -185,3 +185,28 @@ def test_64_concurrent_requests_on_cuda_with_default_settings_give_hf_greedy_tok
     for i, p in enumerate(prompts):
         assert outputs[f"r{i}"] == hf(p, 24), i
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+def test_kv_tiers_on_cuda_write_through_pinned_copies_and_load_back(tiny_model, hf, tmp_path):
+    """The KV tiers' CUDA path (docs/kv-tiers.md): blocks gathered on a stream of their own, copied
+    to pinned memory and written once the copy is done; a second engine (an empty pool) loads them
+    back to the device: every full block of each prompt from the host tier, HF's tokens."""
+    from engines.protocol import Add
+
+    opts = dict(enable_prefix_caching=True, kv_offload_memory="32MiB", kv_offload_memory_dir=str(tmp_path / "shm"),
+                kv_offload_dir=str(tmp_path / "disk"))
+    prompts = [[1] + [(7 * i + 5 * n) % 900 + 3 for i in range(n)] for n in (40, 47, 55)]
+    for round_ in ("write", "read"):
+        engine = _paged_engine(tiny_model, **opts)
+        outputs: dict[str, list[int]] = {}
+        engine.publish = lambda outs: [outputs.setdefault(o.request_id, []).extend(o.token_ids) for o in outs]
+        for i, p in enumerate(prompts):
+            engine.add(Add(f"{round_}{i}", p, SamplingParams(max_new_tokens=8)))
+            engine.step()
+        while engine.has_work():
+            engine.step()
+        assert [outputs[f"{round_}{i}"] for i in range(len(prompts))] == [hf(p, 8) for p in prompts], round_
+        metrics = engine.metrics()
+        engine.stop_ranks()  # (the last save's files written)
+    assert metrics["kv_tier_host_hit_tokens"] == sum((len(p) - 1) // 16 * 16 for p in prompts)
+    assert metrics["kv_tier_disk_blocks"] == metrics["kv_tier_host_blocks"] > 0
