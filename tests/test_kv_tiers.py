@@ -99,6 +99,18 @@ def test_a_request_the_tiers_know_nothing_of_does_not_hold_back_those_behind_it(
     assert tier_hits(engine, "host") == sum((len(p) - 1) // 16 * 16 for p in PROMPTS)
 
 
+def test_a_preempted_request_comes_back_from_a_tier(tiny_model, hf, tmp_path):
+    """Six requests outgrow the 12-block pool as they decode: the newest are preempted, their blocks
+    evicted by the others, and when they come back their prompts' blocks load from the disk tier."""
+    engine = tiered(tiny_model, tmp_path, memory=False)
+    prompts = PROMPTS + FILLERS[:3]
+    sp = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    outputs = drive_engine(engine, [(f"p{i}", p, sp) for i, p in enumerate(prompts)])
+    assert [output_tokens(outputs[f"p{i}"]) for i in range(len(prompts))] == [hf(p, 40) for p in prompts]
+    m = engine.metrics()
+    assert m["preemptions"] > 0 and m["kv_tier_disk_hit_tokens"] > 0
+
+
 def test_without_tiers_the_same_rounds_recompute(tiny_model, hf, tmp_path):
     """The control: the pool alone has forgotten the prompts by the third round."""
     engine = local_engine(tiny_model, "paged", enable_prefix_caching=True, kv_cache_memory=POOL)
