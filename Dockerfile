@@ -8,7 +8,10 @@
 #       -v $PWD/serving.properties:/opt/ml/model/serving.properties lmi-serve serve
 #
 # Multi-GPU (engine=MPI, tensor_parallel_degree > 1) needs shared memory for NCCL:
-# pass --shm-size (e.g. 2g or more) or --ipc=host.
+# pass --shm-size (e.g. 2g or more) or --ipc=host. The KV host tier (option.kv_offload_memory, docs/kv-tiers.md)
+# lives in /dev/shm too: --shm-size must hold it (a size that does not fit is refused at start), and a
+# disk tier that survives the container wants a mounted volume: -v /data/kv:/opt/ml/kv with
+# option.kv_offload_dir=/opt/ml/kv.
 #
 # At start `serve` logs which attention backend runs ("attention backend flash_attn") and how decode
 # steps run ("decode steps: cuda_graphs ..."). Building flash-attn takes a while (about an hour on 8
