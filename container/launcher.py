@@ -25,6 +25,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 from container.preflight import first_problem
@@ -92,6 +93,7 @@ class Launcher:
         self.env.setdefault("MALLOC_ARENA_MAX", MALLOC_ARENA_MAX)
         self.run_dir = tempfile.mkdtemp(prefix="lmi-run-")
         self._stopping = False
+        self._signalled = threading.Event()  # wakes the supervision loop's wait at once on SIGTERM / SIGINT
         self.ready = False
         self.failure: str | None = None  # why the server stopped, when something failed
 
@@ -127,6 +129,7 @@ class Launcher:
         if not self._stopping:
             log.info("received %s: draining", signal.Signals(signum).name)
         self._stopping = True
+        self._signalled.set()
 
     def _spawn(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         log.info("starting %s: %s", name, " ".join(cmd))
@@ -175,7 +178,7 @@ class Launcher:
                 self.failure = read_failure(self.run_dir, "http") or f"gunicorn exited with code {http.returncode}"
                 log.error("%s: stopping the engine", self.failure)
                 return http.returncode or 1
-            time.sleep(POLL_S)
+            self._signalled.wait(POLL_S)
 
     def _check_loading(self, c: "EngineCopy") -> bool:
         if os.path.exists(ready_path(c.dir)):
