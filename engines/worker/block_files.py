@@ -52,7 +52,7 @@ class BlockFiles:
         self.num_bytes = 0
         self.num_refused = 0  # files refused on start or on read: torn, foreign, colliding
         self.num_write_errors = 0  # writes the file system refused (full, folder gone): the block is not kept
-        self.num_written = self.bytes_written = 0
+        self.bytes_written = 0
         self.num_read = self.bytes_read = 0
         self.read_seconds = 0.0
         os.makedirs(folder, exist_ok=True)
@@ -109,7 +109,6 @@ class BlockFiles:
         size = _HEADER.size + len(parent) + len(tokens) + len(payload)
         self.held[block_hash] = size
         self.num_bytes += size
-        self.num_written += 1
         self.bytes_written += size
         self._evict()
 

@@ -73,12 +73,11 @@ class KvTiers:
             self.tiers.append(BlockFiles("disk", folder(settings.disk_dir), self.namespace, settings.disk_bytes))
         for tier in self.tiers:
             tier.scan()
-        bd = backend.block_dim
         # every held layer's K then V, each viewed as bytes (one dtype for every kind of cache)
         self.caches = [c.view(torch.uint8) for i in backend.held for c in (backend.keys[i], backend.values[i])]
-        self.block_dim = bd
-        self.block_shape = self.caches[0].select(bd, 0).shape
-        self.payload_len = len(self.caches) * self.caches[0].select(bd, 0).numel()
+        self.block_dim = backend.block_dim
+        self.block_shape = self.caches[0].select(self.block_dim, 0).shape
+        self.payload_len = len(self.caches) * self.block_shape.numel()
         self.cuda = backend.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(backend.device) if self.cuda else None
         # the last save: host rows, the event of their copy (GPU), the blocks, the device rows
