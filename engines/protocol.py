@@ -26,11 +26,22 @@ FINISH_ERROR = "error"
 FINISH_ABORT = "abort"
 
 
+class Slo(msgspec.Struct, frozen=True, array_like=True):
+    """How a request wants to be scheduled (docs/scheduling.md): its priority (lower is served first,
+    as vLLM's), its tenant (option.fair_share_key: fair shares at admission) and how long it may wait
+    to start (a request's timeout or option.max_queue_wait_ms: shed with a 503 when it cannot)."""
+
+    priority: int = 0
+    tenant: str = ""
+    max_wait_ms: float | None = None
+
+
 class Add(msgspec.Struct, tag="add", frozen=True):
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
     lora_name: str | None = None  # a LoRA adapter (option.enable_lora), None: the base model
+    slo: Slo = Slo()
 
 
 class Abort(msgspec.Struct, tag="abort", frozen=True):
@@ -110,6 +121,8 @@ class Output(msgspec.Struct, tag="output", frozen=True):
     # log-prob (None for the first, which nothing predicts) and its top_n_tokens alternatives
     prompt_log_probs: list[float | None] | None = None
     prompt_top_tokens: list[list[tuple[int, float]]] | None = None
+    # a 503 shed by the scheduler: when it expects to have room (the Retry-After header, seconds)
+    retry_after_s: float | None = None
 
 
 class HandlerCall(msgspec.Struct, tag="handler_call", frozen=True):

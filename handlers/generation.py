@@ -95,7 +95,7 @@ class Generation:
         self._closed = False
         self._checked_at = self.started = time.monotonic()
         self.first_token_at: float | None = None
-        self._queue = client.add(Add(request_id, prompt_ids, req.sampling, lora_name))
+        self._queue = client.add(Add(request_id, prompt_ids, req.sampling, lora_name, req.slo))
 
     @property
     def generated_text(self) -> str:
@@ -133,7 +133,8 @@ class Generation:
                 continue
         if out.error_code is not None:
             self.finish_reason = "error"
-            raise HttpError(out.error_code, out.error or "the model failed during generation")
+            retry = None if out.retry_after_s is None else max(1, math.ceil(out.retry_after_s))
+            raise HttpError(out.error_code, out.error or "the model failed during generation", retry_after=retry)
         return out
 
     def _check(self, deadline: float, is_gone: Callable[[], bool]) -> None:

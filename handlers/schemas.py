@@ -14,6 +14,7 @@ import json
 import logging
 from dataclasses import dataclass, field, replace
 
+from engines.protocol import Slo
 from engines.sampling_params import SamplingParams
 from handlers.errors import HttpError, bad_request
 from handlers.structured import STRUCTURED_FIELDS, grammar_of
@@ -52,6 +53,7 @@ class GenerationRequest:
     skip_special_tokens: bool = True  # vLLM's: special tokens (EOS, ...) left out of the text
     ignored_parameters: tuple[str, ...] = field(default=())
     adapters: tuple[str | None, ...] = ()  # each input's LoRA adapter (None: the base model); empty: all base
+    slo: Slo = Slo()  # priority, tenant, how long it may wait to start (docs/scheduling.md)
 
 
 def parse_body(raw: bytes, content_type: str | None) -> dict:
