@@ -18,6 +18,7 @@ from engines.core.block_manager import BlockManager
 from engines.core.request import Request, Status
 from engines.core.plan import StepPlan
 from engines.core.scheduler import Scheduler
+from engines.core.slo import FairShare, ServiceLevel
 from engines.protocol import FINISH_ABORT, FINISH_EOS, FINISH_LENGTH
 from engines.sampling_params import SamplingParams
 
@@ -116,9 +117,9 @@ def propose(sched: Scheduler, k: int) -> dict[str, list[int]]:
                              for j in range(k)] for req in sched.running} if k else {}
 
 
-def make(num_blocks=64, block_size=4, seqs=8, tokens=64, model_len=256, caching=True, steps=1):
+def make(num_blocks=64, block_size=4, seqs=8, tokens=64, model_len=256, caching=True, steps=1, slo=None):
     bm = BlockManager(num_blocks, block_size, caching)
-    return Scheduler(seqs, tokens, bm, model_len, steps), FakeRunner(bm)
+    return Scheduler(seqs, tokens, bm, model_len, steps, service_level=slo), FakeRunner(bm)
 
 
 def request(rid: str, prompt: list[int] | int, max_new=8, **sampling) -> Request:
@@ -354,6 +355,7 @@ class Spec:
     ignore_eos: bool
     arrival: int
     abort_at: int | None
+    priority: int = 0
 
 
 @st.composite
@@ -366,7 +368,7 @@ def scenarios(draw):
     for i in range(draw(st.integers(1, 8))):
         prompt = (draw(st.sampled_from(prefixes)) + draw(st.lists(tokens, max_size=8)))[:model_len] or [2]
         specs.append(Spec(f"r{i}", prompt, draw(st.integers(1, 12)), draw(st.booleans()),
-                          draw(st.integers(0, 8)), draw(st.none() | st.integers(0, 30))))
+                          draw(st.integers(0, 8)), draw(st.none() | st.integers(0, 30)), draw(st.integers(0, 2))))
     limits = {"block_size": block_size, "model_len": model_len, "caching": draw(st.booleans()),
               "seqs": draw(st.integers(1, 6)), "tokens": draw(st.integers(1, 40))}
     extra_blocks = draw(st.integers(0, 3))  # few: preemptions
@@ -374,19 +376,26 @@ def scenarios(draw):
     # scheduling (plan k + 1 made before update(k)), or none
     speed = draw(st.sampled_from([(0, 1, False), (1, 1, False), (3, 1, False), (5, 1, False), (0, 2, False),
                                   (0, 4, False), (0, 8, False), (0, 1, True)]))
+    # queue order: first come first served, by priority (preempting lower ones), tenants' fair shares
+    limits["policy"] = draw(st.sampled_from(["fcfs", "priority", "fair", "priority+fair"]))
     return specs, limits, extra_blocks, speed
 
 
 def run_scenario(specs: list[Spec], limits: dict, num_blocks: int, k: int = 0, steps: int = 1,
                  pipelined: bool = False) -> tuple[dict[str, Request], Scheduler]:
-    sched, runner = make(num_blocks=num_blocks, steps=steps, **limits)
+    limits = dict(limits)
+    policy = limits.pop("policy", "fcfs")
+    slo = ServiceLevel(policy.split("+")[0] if policy != "fair" else "fcfs",
+                       fair_share=FairShare() if "fair" in policy else None)
+    sched, runner = make(num_blocks=num_blocks, steps=steps, slo=slo, **limits)
     reqs: dict[str, Request] = {}
     in_flight = None  # async scheduling: (plan, its results) not yet applied
     for n in range(5_000):
         for spec in specs:
             if spec.arrival == n:
                 reqs[spec.request_id] = Request(spec.request_id, spec.prompt, SamplingParams(
-                    max_new_tokens=spec.max_new, ignore_eos=spec.ignore_eos), frozenset({EOS}), n)
+                    max_new_tokens=spec.max_new, ignore_eos=spec.ignore_eos), frozenset({EOS}), n,
+                    priority=spec.priority, tenant=f"t{spec.priority}")
                 sched.add(reqs[spec.request_id])
             if spec.abort_at == n:
                 sched.abort(spec.request_id)
@@ -429,6 +438,7 @@ def test_random_scenarios_keep_budgets_blocks_and_tokens(scenario):
         run_scenario(specs, limits, huge)
     event(f"speculating {k}, steps {steps}, async {pipelined}")
     event(f"preempted: {sched.num_preemptions > 0}")
+    event(f"policy {limits['policy']}, preempted for priority: {sched.slo.num_priority_preemptions > 0}")
     event(f"prefix hit: {sched.block_manager.num_prefix_hit_tokens > 0}")
     event(f"aborted: {any(r.finish_reason == FINISH_ABORT for r in got.values())}")
     event(f"chunked: {any(len(s.prompt) > limits['tokens'] for s in specs)}")

@@ -35,7 +35,8 @@ class PrefixProbe(NamedTuple):
 
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                 eos_token_ids: frozenset[int], arrival: int, lora_name: str | None = None):
+                 eos_token_ids: frozenset[int], arrival: int, lora_name: str | None = None, *,
+                 priority: int = 0, tenant: str = "", deadline: float | None = None):
         self.request_id = request_id
         self.lora_name = lora_name  # its LoRA adapter (None: the base model): part of its prefix-cache key
         self.prompt_token_ids = prompt_token_ids
@@ -44,6 +45,11 @@ class Request:
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.arrival = arrival  # admission order (first come, first served)
+        # service level (engines/core/slo.py, docs/scheduling.md)
+        self.priority = priority  # lower is served first (option.scheduling_policy=priority)
+        self.tenant = tenant  # option.fair_share_key: its share at admission
+        self.fair_tag = 0.0  # its start tag in the tenants' fair queue
+        self.deadline = deadline  # clock time by which it must start (its first token), or None
         self._stop_ids = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else eos_token_ids)
         # paged engine only (scheduler + block manager): K/V held in blocks of the paged cache
         self.num_computed_tokens = 0  # tokens of all_token_ids whose K/V are in the cache

@@ -46,12 +46,14 @@ from engines.core.block_manager import BlockManager
 from engines.core.lora_slots import LoraSlots
 from engines.core.plan import CachedRequest, LoraLoad, NewRequest, StepPlan
 from engines.core.request import InFlight, PrefixProbe, Request, Status
+from engines.core.slo import ServiceLevel, Shed
 from engines.protocol import FINISH_LENGTH
 
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, block_manager: BlockManager,
-                 max_model_len: int, num_scheduler_steps: int = 1, lora_slots: LoraSlots | None = None):
+                 max_model_len: int, num_scheduler_steps: int = 1, lora_slots: LoraSlots | None = None,
+                 service_level: ServiceLevel | None = None):
         if min(max_num_seqs, max_num_batched_tokens, max_model_len, num_scheduler_steps) < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens, max_model_len and num_scheduler_steps "
                              "must be positive")
@@ -61,6 +63,8 @@ class Scheduler:
         self.block_manager = block_manager
         self.lora_slots = lora_slots  # option.enable_lora: which adapter holds which device slot
         self.max_model_len = max_model_len
+        # queue order, priority preemption, pacing to a TPOT target, deadlines (engines/core/slo.py)
+        self.slo = service_level or ServiceLevel()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is the newest
         self.requests: dict[str, Request] = {}  # unfinished, by id
@@ -91,8 +95,32 @@ class Scheduler:
         if self.block_manager.num_blocks_for(self.max_num_slots(req)) > self.block_manager.num_blocks:
             raise ValueError(f"{req.request_id}: needs more KV blocks than the cache has")
         req.status = Status.WAITING
-        self.waiting.append(req)
+        self.slo.arrived(req)
+        self.slo.enqueue(self.waiting, req)
         self.requests[req.request_id] = req
+        if req.deadline is not None:
+            self._shed_if_late(req)
+
+    def _shed_if_late(self, req: Request) -> None:
+        """Shed (Shed raised, the request gone) a request that is expected to start after its deadline."""
+        slo = self.slo
+        start = slo.start_estimate_s(req, self.running, self.waiting, self.max_num_seqs, self.max_num_batched_tokens)
+        if start is None:
+            return
+        step = slo.step_times.mean_recent or 0.0
+        if slo.clock() + start + step > req.deadline:
+            self.waiting.remove(req)
+            del self.requests[req.request_id]
+            slo.shed(req)
+            raise Shed(f"{req.request_id}: it would start in about {start:.2f} s, after its deadline "
+                       f"({max(req.deadline - slo.clock(), 0.0):.2f} s from now)", start)
+
+    def take_expired(self) -> list[Request]:
+        """Waiting requests that can no longer start before their deadline, taken out of the queue."""
+        expired = self.slo.take_expired(self.waiting)
+        for req in expired:
+            del self.requests[req.request_id]
+        return expired
 
     def max_num_slots(self, req: Request) -> int:
         """KV slots the request holds at its longest: the last sampled token is never computed."""
@@ -105,6 +133,7 @@ class Scheduler:
             return None
         if req.status is Status.WAITING:
             self.waiting.remove(req)
+            self.slo.left(req)
         else:
             self.running.remove(req)
         req.abort()
@@ -131,10 +160,25 @@ class Scheduler:
             req.spec_token_ids = list(guess) if guess and self.can_speculate(req) else []
         if self.num_scheduler_steps > 1 and self._schedule_multi_step(out):
             return out
+        if self.slo.by_priority and self.waiting and self.running:
+            self._preempt_for_priority(out)
+        num_preempted = len(out.preempted_ids)
         budget = self._schedule_running(out)
-        if not out.preempted_ids:
+        if len(out.preempted_ids) == num_preempted:  # (blocks ran out: nobody joins this step)
             self._schedule_waiting(out, budget)
         return out
+
+    def _preempt_for_priority(self, out: StepPlan) -> None:
+        """The first waiting request preempts running ones of lower priority, the lowest (then the
+        newest) first, until the batch has a row, the pacer room and the blocks for its first chunk."""
+        head, bm, pacer = self.waiting[0], self.block_manager, self.slo.pacer
+        while self.running and self.running[-1].priority > head.priority:
+            need = bm.num_blocks_for(min(head.num_tokens, self.max_num_batched_tokens)) + len(self.running)
+            fits = pacer is None or pacer.can_add(len(self.running), sum(r.num_tokens for r in self.running))
+            if len(self.running) < self.max_num_seqs and bm.num_free_blocks >= need and fits:
+                return
+            self._preempt(self.running.pop(), out)
+            self.slo.num_priority_preemptions += 1
 
     def update(self, output: StepPlan, sampled: Mapping[str, list[int]]) -> list[Request]:
         """Apply a step's results (sampled: request id -> its new tokens); return the requests that
@@ -153,6 +197,7 @@ class Scheduler:
                     self._append(req, sampled[request_id])
                     if req.is_finished:
                         self.waiting.remove(req)
+                        self.slo.left(req)
                     produced.append(req)
                 continue
             if req.in_flight is not None and req.in_flight.plan_id == output.plan_id:
@@ -231,6 +276,8 @@ class Scheduler:
 
     def _schedule_running(self, out: StepPlan) -> int:
         budget = self.max_num_batched_tokens
+        if self.slo.pacer is not None:  # option.target_tpot_ms: a step no longer than the target
+            budget = self.slo.pacer.token_budget(len(self.running), sum(r.num_tokens for r in self.running), budget)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -265,15 +312,26 @@ class Scheduler:
         bm = self.block_manager
         computing = {r.prefix_probe.hash for r in self.running
                      if r.prefix_probe and r.num_computed_tokens + _in_flight_counts(r)[0] < r.prefix_probe.end}
+        pacer = self.slo.pacer
+        preempted = set(out.preempted_ids)
+        context = sum(r.num_tokens for r in self.running) if pacer is not None else 0
         i = 0
         while i < len(self.waiting) and len(self.running) < self.max_num_seqs and budget > 0:
+            if pacer is not None and not pacer.can_add(len(self.running), context):
+                break  # one more decoding request would take the step past option.target_tpot_ms
             req = self.waiting[i]
+            if req.request_id in preempted:
+                i += 1  # (preempted for a higher priority this step: its plan in flight is still to apply)
+                continue
             computed, probe = bm.lookup(req)
             if probe is not None and probe in computing or \
                     req.lora_name is not None and not self.lora_slots.can_acquire(req.lora_name):
                 i += 1  # (every LoRA slot is held by running requests of other adapters)
                 continue
-            num_new = min(req.num_tokens - len(computed) * bm.block_size, budget)
+            step_budget = budget - (pacer.seq_tokens() if pacer is not None else 0)  # (its row's cost)
+            if step_budget <= 0:
+                break
+            num_new = min(req.num_tokens - len(computed) * bm.block_size, step_budget)
             if not bm.allocate(req, num_new, computed):
                 break  # nobody else jumps the queue for lack of blocks
             del self.waiting[i]
@@ -281,12 +339,13 @@ class Scheduler:
             req.prefix_probe = None if probe is None else PrefixProbe(probe, (len(computed) + 1) * bm.block_size)
             if probe is not None:
                 computing.add(probe)
-            self.running.append(req)
+            self.slo.admit(self.running, req)
+            context += req.num_tokens
             load = self.lora_slots.hold(req) if self.lora_slots is not None else None
             if load is not None:
                 out.lora_loads.append(LoraLoad(load, req.lora_name))
             self._record(req, num_new, out)
-            budget -= num_new
+            budget = step_budget - num_new
 
     def _record(self, req: Request, num_tokens: int, out: StepPlan) -> None:
         num_sent = self._num_blocks_sent.get(req.request_id)
@@ -311,7 +370,7 @@ class Scheduler:
         req.in_flight = None
         req.num_preemptions += 1
         req.status = Status.WAITING
-        self.waiting.appendleft(req)
+        self.slo.enqueue(self.waiting, req, preempted=True)
         self.num_preemptions += 1
         if self._num_blocks_sent.pop(req.request_id, None) is not None:
             out.preempted_ids.append(req.request_id)
