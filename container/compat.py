@@ -202,3 +202,17 @@ def speed_settings(cfg: ResolvedConfig, kind: str) -> dict:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     return settings
+
+
+SLO_KEYS = ("option.scheduling_policy", "option.max_queue_wait_ms", "option.target_tpot_ms", "option.fair_share_key")
+
+
+def slo_settings(cfg: ResolvedConfig, kind: str) -> dict:
+    """Service-level scheduling (docs/scheduling.md): the paged engine's scheduler does it; the others
+    would serve in arrival order whatever was asked, so they refuse it."""
+    asked = [k for k in SLO_KEYS if cfg.is_set(k) and cfg[k] not in (None, "fcfs")]
+    if asked and kind != ENGINE_PAGED:
+        raise ConfigError(f"{asked[0]}={cfg[asked[0]]} needs the paged engine (option.rolling_batch=auto or "
+                          f"lmi-dist), not the {kind} engine")
+    return dict(scheduling_policy=cfg["option.scheduling_policy"], max_queue_wait_ms=cfg["option.max_queue_wait_ms"],
+                target_tpot_ms=cfg["option.target_tpot_ms"], fair_share_key=cfg["option.fair_share_key"])

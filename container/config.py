@@ -17,7 +17,7 @@ import os
 from typing import Mapping
 
 from container.compat import (check_cpu_linear, check_kv_cache_dtype, check_kv_offload, check_lora, check_parallel,  # noqa: F401
-                              check_pipeline, quantized_dtype, speed_settings)
+                              check_pipeline, quantized_dtype, slo_settings, speed_settings)
 from container.keys import ConfigError
 from container.merge import (CLI, DEFAULT, ENV, FILE, ResolvedConfig, Setting, check_static_contradictions,  # noqa: F401
                              collect_raw, default_download_dir, describe, resolve, resolve_port)
@@ -185,7 +185,7 @@ def build(cfg: ResolvedConfig, *, local_dir: str, spec: ModelSpec | None,
         cpu_compile=cfg["option.cpu_compile"], compile_cache_dir=cfg["option.compile_cache_dir"],
         attention_backend=cfg["option.attention_backend"], kv_offload_memory=cfg["option.kv_offload_memory"],
         kv_offload_memory_dir=cfg["option.kv_offload_memory_dir"], kv_offload_dir=cfg["option.kv_offload_dir"],
-        kv_offload_disk=cfg["option.kv_offload_disk"], **speed_settings(cfg, kind))
+        kv_offload_disk=cfg["option.kv_offload_disk"], **speed_settings(cfg, kind), **slo_settings(cfg, kind))
     return LmiConfig(model=model, scheduler=scheduler,
                      parallel=placement(cfg, use_mpi, tp, num_gpus, num_cpus, pp,
                                         os.environ if env is None else env),

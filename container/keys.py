@@ -250,6 +250,19 @@ KEYS: tuple[Key, ...] = (
     Key("option.ngram_prompt_lookup_max", integer(1), 4, "ngram speculation: the longest suffix looked up"),
     Key("option.num_scheduler_steps", integer(1), 1,
         "paged engine: decode steps run back to back per plan when every request decodes (multi-step)"),
+    Key("option.scheduling_policy", choice("fcfs", "priority"), "fcfs",
+        "paged engine: fcfs admits requests in arrival order; priority by their `priority` (lower first, then "
+        "arrival), a higher one preempting the lowest running when the batch or the blocks are full "
+        "(docs/scheduling.md)"),
+    Key("option.max_queue_wait_ms", number(0.0, 1e9, low_open=True), None,
+        "paged engine: a request that cannot start (its first token) within this many ms is answered 503 with "
+        "Retry-After at once, instead of waiting (a request's own timeout may be shorter)"),
+    Key("option.target_tpot_ms", number(0.0, 1e9, low_open=True), None,
+        "paged engine: cap the running batch and the prefill chunks so that the measured step time (the time per "
+        "output token) stays under this many ms"),
+    Key("option.fair_share_key", text, None,
+        "paged engine: share admission fairly between tenants named by this request header (e.g. X-Tenant), or "
+        "between LoRA adapters with the value `adapter`"),
     Key("option.async_scheduling", boolean, None,
         "paged engine: schedule and prepare the next step while this one runs (unset: on, except with speculative "
         "decoding or multi-step, which it does not pipeline; true with either is refused)"),

@@ -81,6 +81,11 @@ class SchedulerConfig(msgspec.Struct, frozen=True):
     num_scheduler_steps: int = 1
     # the next step scheduled while this one runs; None: wherever the mode allows (engines/core/modes.py)
     async_scheduling: bool | None = None
+    # service levels (engines/core/slo.py, docs/scheduling.md)
+    scheduling_policy: str = "fcfs"  # fcfs | priority
+    max_queue_wait_ms: float | None = None  # shed a request that cannot start within it
+    target_tpot_ms: float | None = None  # cap the batch so that a step stays under it
+    fair_share_key: str | None = None  # a header naming the tenant, or "adapter"
 
 
 class ParallelConfig(msgspec.Struct, frozen=True):

@@ -31,6 +31,12 @@ ENGINE_METRICS = {
     "grammar_wait_seconds": ("lmi_grammar_wait_seconds", "time sampling waited for masks (not hidden by the forward)",
                              True),
     "grammar_rollbacks": ("lmi_grammar_rollbacks", "grammar rollbacks past rejected speculative tokens", True),
+    "requests_shed": ("lmi_requests_shed", "requests answered 503 because they could not start before their deadline "
+                      "(parameters.timeout, X-Request-Timeout, option.max_queue_wait_ms)", True),
+    "priority_preemptions": ("lmi_priority_preemptions", "running requests preempted for a waiting one of higher "
+                             "priority", True),
+    "step_time_model_decode_seconds": ("lmi_step_time_model_decode_seconds", "option.target_tpot_ms: the step time "
+                                       "the scheduler's model predicts for decoding the running batch", False),
     "kv_tiers_loaded_blocks": ("lmi_kv_tiers_loaded_blocks", "blocks loaded from a KV tier into the pool", True),
     "kv_tiers_refused_blocks": ("lmi_kv_tiers_refused_blocks",
                                 "blocks a KV tier offered that some rank could not load (recomputed)", True),
@@ -52,14 +58,28 @@ TIER_METRICS = {
 }
 
 
-def _engine_metric(key: str) -> tuple[str, str, bool, list[str]] | None:
-    """An engine metric's Prometheus name, help, whether a counter, and its tier label (if any)."""
+# per tenant (option.fair_share_key; docs/scheduling.md): engine metric tenant/<what>/<tenant> ->
+# lmi_tenant_<what>{tenant="<tenant>"}
+TENANT_METRICS = {
+    "admitted_requests": ("requests admitted to the running batch", True),
+    "admitted_tokens": ("prompt + max_new_tokens of the requests admitted", True),
+    "shed_requests": ("requests shed with a 503 (deadline)", True),
+    "waiting": ("requests waiting for admission", False),
+    "running": ("requests in the running batch", False),
+}
+
+
+def _engine_metric(key: str) -> tuple[str, str, bool, str | None, str | None] | None:
+    """An engine metric's Prometheus name, help, whether a counter, and its label's name and value (if any)."""
     if key in ENGINE_METRICS:
-        return (*ENGINE_METRICS[key], [])
+        return (*ENGINE_METRICS[key], None, None)
+    if key.startswith("tenant/"):
+        _, what, tenant = key.split("/", 2)
+        return (f"lmi_tenant_{what}", *TENANT_METRICS[what], "tenant", tenant) if what in TENANT_METRICS else None
     for tier in KV_TIERS:
         what = key.removeprefix(f"kv_tier_{tier}_")
         if what != key and what in TIER_METRICS:
-            return (f"lmi_kv_tier_{what}", *TIER_METRICS[what], [tier])
+            return (f"lmi_kv_tier_{what}", *TIER_METRICS[what], "tier", tier)
     return None
 
 
@@ -98,11 +118,11 @@ class _EngineCollector:
             for k, value in r.metrics.items():
                 known = _engine_metric(k)
                 if known is not None:
-                    name, doc, is_counter, tier = known
+                    name, doc, is_counter, label_name, label_value = known
                     if name not in engine:
                         engine[name] = family(CounterMetricFamily if is_counter else GaugeMetricFamily, name, doc,
-                                              ["tier"] if tier else ())
-                    engine[name].add_metric([*key(label), *tier], value)
+                                              [label_name] if label_name else ())
+                    engine[name].add_metric([*key(label), *([label_value] if label_name else [])], value)
         yield up
         yield from families.values()
         yield phases

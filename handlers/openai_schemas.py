@@ -19,7 +19,7 @@ from handlers.structured import STRUCTURED_FIELDS
 from handlers.tools import Tools, parse_tools
 from handlers.schemas import (
     INT32_MAX, MAX_TOP_N_TOKENS, GenerationRequest, RequestLimits, _bool, _check_text, _int, _number, _stop_sequences,
-    _type_name, sampling_params, text_options,
+    _type_name, sampling_params, slo_of, text_options,
 )
 
 COMMON_FIELDS = frozenset({
@@ -27,7 +27,7 @@ COMMON_FIELDS = frozenset({
     "presence_penalty", "frequency_penalty", "user", "logit_bias",
     # vLLM's extra sampling parameters
     "ignore_eos", "top_k", "min_p", "repetition_penalty", "stop_token_ids", "min_tokens",
-    "include_stop_str_in_output", "skip_special_tokens", "bad_words"}) | STRUCTURED_FIELDS
+    "include_stop_str_in_output", "skip_special_tokens", "bad_words", "priority"}) | STRUCTURED_FIELDS
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
                                "parallel_tool_calls", "tool_prompt"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of"}
@@ -122,7 +122,7 @@ def _generation(body: dict, inputs: list[str], is_list: bool, max_tokens: int, t
     return GenerationRequest(inputs=inputs, is_list=is_list, sampling=sampling,
                              stream=_bool(body, "stream", False, where=WHERE),
                              stop_sequences=_stop_sequences(body, "stop", where=WHERE),
-                             **text_options(body, where=WHERE))
+                             slo=slo_of(body, where=WHERE, timeout=False), **text_options(body, where=WHERE))
 
 
 def _options(body: dict, gen: GenerationRequest, **kwargs) -> OpenAIRequest:

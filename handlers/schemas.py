@@ -177,7 +177,7 @@ _KNOWN = {"max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "repet
           "decoder_input_details", "top_n_tokens", "stop_token_ids", "stream", "presence_penalty",
           "frequency_penalty", "truncate", "min_p", "adapter_id",  # adapter_id: refused unless empty (_refuse_adapters)
           "logit_bias", "min_tokens", "min_new_tokens", "include_stop_str_in_output", "skip_special_tokens",
-          "bad_words", "typical_p"} | STRUCTURED_FIELDS
+          "bad_words", "typical_p", "priority", "timeout"} | STRUCTURED_FIELDS
 
 
 # Parameters LMI, TGI or vLLM define that we do not implement, with the value that changes nothing
@@ -227,7 +227,20 @@ def _build(inputs, is_list, params: dict, stream: bool, default_max_new_tokens: 
         inputs=inputs, is_list=is_list, sampling=sampling, stream=stream,
         details=details, return_full_text=_bool(params, "return_full_text", False),
         decoder_input_details=decoder_input_details, truncate=_int(params, "truncate", None, minimum=1),
-        stop_sequences=_stop_sequences(params), ignored_parameters=ignored, **text_options(params))
+        stop_sequences=_stop_sequences(params), ignored_parameters=ignored, slo=slo_of(params),
+        **text_options(params))
+
+
+MAX_TIMEOUT_S = 86400.0
+
+
+def slo_of(params: dict, where: str = "parameters.", timeout: bool = True) -> Slo:
+    """A request's `priority` (vLLM's: lower first) and `timeout` (seconds within which it must start:
+    LMI's parameters.timeout), checked; the tenant comes from a header (Service.launch)."""
+    priority = _int(params, "priority", 0, minimum=-INT32_MAX, maximum=INT32_MAX, where=where)
+    seconds = _number(params, "timeout", None, minimum=0.0, maximum=MAX_TIMEOUT_S, open_low=True,
+                      where=where) if timeout else None
+    return Slo(priority, "", None if seconds is None else seconds * 1000.0)
 
 
 def text_options(params: dict, where: str = "parameters.") -> dict:

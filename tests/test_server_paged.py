@@ -101,6 +101,13 @@ def test_a_request_larger_than_the_whole_cache_is_refused_with_507(server):
     assert requests.get(server.url + "/ping").status_code == 200
 
 
+def test_a_priority_under_first_come_first_served_is_a_400_naming_the_policy(server):
+    resp = server.post({"inputs": "The river", "parameters": {"priority": 3}})
+    assert resp.status_code == 400 and "option.scheduling_policy=priority" in resp.json()["error"]
+    ok = server.post({"inputs": "The river", "parameters": {"priority": 0, "max_new_tokens": 2}})
+    assert ok.status_code == 200
+
+
 def test_a_stream_refused_before_its_first_token_gets_its_real_status(server):
     # 37 blocks hold 592 tokens: ~500 + 300 fits the model's length but can never fit the cache
     prompt = " ".join(corpus_lines())[:2000]

@@ -195,3 +195,96 @@ def test_an_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="scheduling policy"):
         ServiceLevel("lifo")
 
+
+
+def test_priorities_and_their_preemptions_leave_greedy_tokens_as_hf_generate(tiny_model, hf):
+    """The real paged engine on the tiny model: later requests of higher priority preempt running ones
+    (recomputed later); every request still gets HF generate's greedy tokens, and the blocks come back."""
+    from engines.protocol import Slo
+    from tests.support import drive_engine, output_tokens, paged_engine
+
+    engine = paged_engine(tiny_model, max_num_seqs=2, scheduling_policy="priority")
+    prompts = [[1] + list(range(30 + i, 40 + 2 * i)) for i in range(6)]
+    adds = [(f"p{i}", p, SamplingParams(max_new_tokens=12, ignore_eos=True), None, Slo(priority=5 - i))
+            for i, p in enumerate(prompts)]  # each arrival outranks everything before it
+    outs = drive_engine(engine, adds, join_every=2)
+    assert engine.scheduler.slo.num_priority_preemptions >= 3
+    for i, p in enumerate(prompts):
+        assert output_tokens(outs[f"p{i}"]) == hf(p, 12), i
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+SLO_SERVER = ("engine=Python\noption.dtype=fp32\noption.kv_cache_memory=8MiB\noption.max_rolling_batch_size=1\n"
+              "option.scheduling_policy=priority\noption.fair_share_key=X-Tenant\noption.max_model_len=2048\n")
+
+
+def test_a_server_serves_priorities_sheds_what_cannot_start_and_counts_tenants(tiny_model, start_server):
+    import json
+    import threading
+    import time
+
+    import requests
+
+    from tests.support import wait_for, wait_running
+
+    server = start_server(SLO_SERVER, tiny_model)
+    url = server.url + "/invocations"
+    short = {"inputs": "The quick fox", "parameters": {"max_new_tokens": 6, "details": True}}
+    want = requests.post(url, json=short, timeout=60).json()
+    long_body = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 1500, "ignore_eos": True,
+                                                               "priority": 1}, "stream": True}
+    lines: list[dict] = []
+    done = threading.Event()
+
+    def stream():  # until the checks are done: then the client goes away (the engine aborts it)
+        with requests.post(url, json=long_body, stream=True, timeout=120, headers={"X-Tenant": "batch"}) as r:
+            for line in r.iter_lines():
+                lines.append(json.loads(line))
+                if done.is_set():
+                    return
+
+    worker = threading.Thread(target=stream)
+    worker.start()
+    wait_running(server, 1)
+    # one row, held for ~1500 steps: a request that must start within 0.2 s is shed at once
+    started = time.monotonic()
+    shed = requests.post(url, json={"inputs": "Hi", "parameters": {"timeout": 0.2}}, timeout=30)
+    assert shed.status_code == 503 and time.monotonic() - started < 1.0, shed.text
+    assert int(shed.headers["Retry-After"]) >= 1 and "cannot start the request in time" in shed.json()["error"]
+    late = requests.post(url, json={"inputs": "Hi"}, headers={"X-Request-Timeout": "0.2"}, timeout=30)
+    assert late.status_code == 503
+    # priority 0 preempts the running priority-1 request, and gets the same greedy answer as alone
+    urgent = requests.post(url, json={**short, "parameters": {**short["parameters"], "priority": 0}},
+                           headers={"X-Tenant": "interactive"}, timeout=60)
+    assert urgent.status_code == 200 and urgent.json() == want
+    assert worker.is_alive()  # the preempted request goes on afterwards
+    num_before = len(lines)
+    metrics = requests.get(server.url + "/metrics", timeout=10).text
+    assert 'lmi_tenant_admitted_requests_total{tenant="interactive"} 1.0' in metrics
+    assert "lmi_priority_preemptions_total 1.0" in metrics and "lmi_requests_shed_total 2.0" in metrics
+    bad = requests.post(url, json={"inputs": "x", "parameters": {"priority": "high"}}, timeout=10)
+    assert bad.status_code == 400 and "priority" in bad.json()["error"]
+    bad = requests.post(url, json={"inputs": "Hi"}, headers={"X-Request-Timeout": "soon"}, timeout=10)
+    assert bad.status_code == 400 and "X-Request-Timeout" in bad.json()["error"]
+    wait_for(lambda: len(lines) > num_before + 5, 30, "the preempted request streaming again")
+    done.set()
+    worker.join(timeout=30)
+    assert all("token" in line for line in lines) and not worker.is_alive()
+
+
+def test_service_level_keys_need_the_paged_engine_and_reach_its_config(tiny_model):
+    from container import config as cfgmod
+    from container.keys import ConfigError
+
+    def build(props):
+        return cfgmod.build(cfgmod.resolve(props, {}), local_dir=str(tiny_model),
+                            spec=cfgmod.read_spec(str(tiny_model), None), num_gpus=0, num_cpus=2, port=8080)
+
+    sched = build({"option.scheduling_policy": "priority", "option.target_tpot_ms": "80",
+                   "option.max_queue_wait_ms": "1500", "option.fair_share_key": "X-Tenant"}).scheduler
+    assert (sched.scheduling_policy, sched.target_tpot_ms, sched.max_queue_wait_ms, sched.fair_share_key) == \
+        ("priority", 80.0, 1500.0, "X-Tenant")
+    with pytest.raises(ConfigError, match="option.target_tpot_ms=80.0 needs the paged engine"):
+        build({"option.rolling_batch": "scheduler", "option.target_tpot_ms": "80"})
+    with pytest.raises(ConfigError, match="option.scheduling_policy"):
+        build({"option.scheduling_policy": "lifo"})

@@ -72,6 +72,7 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
         self._num_plans = 0
+        self._last_shape: tuple[int, int, int, int] | None = None  # the last plan: tokens, requests, context, steps
 
     @property
     def num_waiting(self) -> int:
@@ -158,15 +159,27 @@ class Scheduler:
         for req in self.running:  # guesses follow a decoding request's last token only
             guess = proposals.get(req.request_id) if proposals else None
             req.spec_token_ids = list(guess) if guess and self.can_speculate(req) else []
-        if self.num_scheduler_steps > 1 and self._schedule_multi_step(out):
-            return out
+        if not (self.num_scheduler_steps > 1 and self._schedule_multi_step(out)):
+            self._schedule_tokens(out)
+        requests = self.requests
+        self._last_shape = (out.total_num_scheduled_tokens // out.num_steps, len(out.scheduled),
+                            sum(requests[rid].num_tokens for rid in out.scheduled_ids), out.num_steps)
+        return out
+
+    def observe_step(self, seconds: float) -> None:
+        """The wall time of the step that ran the last plan: the step-time model learns from it."""
+        if self._last_shape is not None:
+            num_tokens, num_seqs, num_context, num_steps = self._last_shape
+            self.slo.step_times.observe(num_tokens, num_seqs, num_context, seconds / num_steps)
+            self._last_shape = None
+
+    def _schedule_tokens(self, out: StepPlan) -> None:
         if self.slo.by_priority and self.waiting and self.running:
             self._preempt_for_priority(out)
         num_preempted = len(out.preempted_ids)
         budget = self._schedule_running(out)
         if len(out.preempted_ids) == num_preempted:  # (blocks ran out: nobody joins this step)
             self._schedule_waiting(out, budget)
-        return out
 
     def _preempt_for_priority(self, out: StepPlan) -> None:
         """The first waiting request preempts running ones of lower priority, the lowest (then the

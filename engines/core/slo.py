@@ -280,3 +280,9 @@ class ServiceLevel:
                 out[f"tenant/waiting/{tenant}"] = counts[tenant][0]
                 out[f"tenant/running/{tenant}"] = counts[tenant][1]
         return out
+
+
+def service_level(sched, block_size: int = 16) -> ServiceLevel:
+    """The ServiceLevel a SchedulerConfig asks for (option.scheduling_policy, target_tpot_ms, fair_share_key)."""
+    pacer = Pacer(sched.target_tpot_ms / 1000, StepTimes(), block_size) if sched.target_tpot_ms else None
+    return ServiceLevel(sched.scheduling_policy, pacer, FairShare() if sched.fair_share_key else None)

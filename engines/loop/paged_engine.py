@@ -8,6 +8,7 @@ scheduling mode (engines/core/modes.py) picks the step loop (steppers.py) once.
 from __future__ import annotations
 
 import logging
+import time
 
 import msgspec
 
@@ -20,9 +21,10 @@ from engines.core.modes import scheduling_mode
 from engines.core.plan import StepPlan
 from engines.core.request import Request
 from engines.core.scheduler import Scheduler
+from engines.core.slo import Shed, service_level
 from engines.core.spec import NgramProposer
 from engines.process.startup import TIMELINE
-from engines.protocol import STATE_READY, Add, HealthReply, Output
+from engines.protocol import FINISH_ERROR, STATE_READY, Add, HealthReply, Output
 from engines.dist import SingleProcess
 from engines.loop.engine_loop import EngineLoop, kv_budget_bytes
 from engines.loop.lora_registry import LoraRegistry
@@ -77,7 +79,7 @@ class PagedEngine(EngineLoop):
                                    max(windows) if windows and all(windows) else None)
         lora_slots = LoraSlots(self.config.model.max_loras) if self.runner.lora is not None else None
         self.scheduler = Scheduler(sched.max_num_seqs, sched.max_num_batched_tokens, self.blocks, self.max_model_len,
-                                   sched.num_scheduler_steps, lora_slots)
+                                   sched.num_scheduler_steps, lora_slots, service_level(sched, block_size))
         self.adapters = LoraRegistry(self.paged, lora_slots, self.reply) if lora_slots is not None else None
         if tiers is not None:
             self.tier_loads = TierLoads(self.blocks, self.paged)
@@ -163,6 +165,7 @@ class PagedEngine(EngineLoop):
                 "preemptions": sched.num_preemptions, "running": sched.num_running,
                 "waiting": sched.num_waiting, "steps": self.num_steps, "multi_step_runs": self.num_multi_steps,
                 **self.spec.metrics(), **self.paged.sampler.grammars.metrics(),
+                **sched.slo.metrics(sched.waiting, running),
                 **(self.tier_loads.metrics(bm.num_prefix_queries_tokens) if self.tier_loads else {})}
 
     def stop_ranks(self) -> None:
@@ -181,13 +184,24 @@ class PagedEngine(EngineLoop):
     def add(self, msg: Add) -> None:
         if self.refuses_adapter(msg) or self.refuses_grammar(msg, self.paged.sampler.grammars):
             return
+        sched, slo = self.config.scheduler, msg.slo
+        waits = [ms for ms in (slo.max_wait_ms, sched.max_queue_wait_ms) if ms is not None]
         req = Request(msg.request_id, msg.prompt_token_ids, msg.sampling, self.runner.eos_token_ids, self._arrivals,
-                      msg.lora_name)
+                      msg.lora_name, priority=slo.priority,
+                      tenant=msg.lora_name or "" if sched.fair_share_key == "adapter" else slo.tenant,
+                      deadline=time.monotonic() + min(waits) / 1000 if waits else None)
         self._arrivals += 1
         try:
             self.scheduler.add(req)
+        except Shed as exc:
+            self.publish_shed(req.request_id, str(exc), exc.retry_after_s)
         except ValueError as exc:  # can never fit the cache (or the model): refuse now, not never
             self.publish_error(req.request_id, 507, f"the request cannot be served: {exc}")
+
+    def publish_shed(self, request_id: str, why: str, retry_after_s: float) -> None:
+        self._publish([Output(request_id, [], finished=True, finish_reason=FINISH_ERROR, error_code=503,
+                              error=f"the server cannot start the request in time: {why}",
+                              retry_after_s=retry_after_s)])
 
     def unfinished_requests(self) -> dict[str, Request]:
         return self.scheduler.requests
@@ -205,9 +219,15 @@ class PagedEngine(EngineLoop):
         """One iteration of the scheduling mode's loop (steppers.py). One message crosses the ranks
         per step: the plan (the sampled tokens reach the other ranks within the step)."""
         self.num_steps += 1
-        if self.tier_loads is not None and self.scheduler.waiting:
-            self.tier_loads.before_schedule(self.scheduler)
+        sched = self.scheduler
+        for req in sched.take_expired():  # (waiting requests whose deadline a step from now would pass)
+            self.publish_shed(req.request_id, "its deadline passed while it waited",
+                              sched.slo.step_times.mean_recent or 0.0)
+        if self.tier_loads is not None and sched.waiting:
+            self.tier_loads.before_schedule(sched)
+        started = time.perf_counter()
         self.stepper.step()
+        sched.observe_step(time.perf_counter() - started)
         self.retire_unregistered_adapters()
 
     # -- what the steppers call --------------------------------------------------------------------
