@@ -33,6 +33,13 @@ LoRA adapters (lora_slots): a request is admitted with its adapter's device slot
 leaves the running batch; one whose adapter cannot get a slot (all held by other adapters' running
 requests) waits while those behind it go on; the plan names the adapters to load first.
 
+Service levels (engines/core/slo.py, ServiceLevel, chosen once): the order requests wait in (arrival;
+priority then arrival; tenants' fair-share tags), which running request is preempted first (under
+priority the running list is kept in priority order: the last goes first), the pacer's caps on the
+batch and the step's tokens (option.target_tpot_ms), and deadlines (a request expected to start too
+late is refused with Shed at add(); one still waiting when its deadline comes is taken by
+take_expired()).
+
 The plan (engines/core/plan.py) says only what changed: requests new to the runner (or back after
 a preemption) in full, others as the block ids appended since the last plan.
 """
@@ -100,21 +107,11 @@ class Scheduler:
         self.slo.enqueue(self.waiting, req)
         self.requests[req.request_id] = req
         if req.deadline is not None:
-            self._shed_if_late(req)
-
-    def _shed_if_late(self, req: Request) -> None:
-        """Shed (Shed raised, the request gone) a request that is expected to start after its deadline."""
-        slo = self.slo
-        start = slo.start_estimate_s(req, self.running, self.waiting, self.max_num_seqs, self.max_num_batched_tokens)
-        if start is None:
-            return
-        step = slo.step_times.mean_recent or 0.0
-        if slo.clock() + start + step > req.deadline:
-            self.waiting.remove(req)
-            del self.requests[req.request_id]
-            slo.shed(req)
-            raise Shed(f"{req.request_id}: it would start in about {start:.2f} s, after its deadline "
-                       f"({max(req.deadline - slo.clock(), 0.0):.2f} s from now)", start)
+            try:  # Shed: expected to start after its deadline, answered now
+                self.slo.shed_if_late(req, self.running, self.waiting, self.max_num_seqs, self.max_num_batched_tokens)
+            except Shed:
+                del self.requests[req.request_id]
+                raise
 
     def take_expired(self) -> list[Request]:
         """Waiting requests that can no longer start before their deadline, taken out of the queue."""

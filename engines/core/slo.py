@@ -246,6 +246,19 @@ class ServiceLevel:
         if req.tenant in self.tenants:
             self.tenants[req.tenant][2] += 1
 
+    def shed_if_late(self, req: Request, running: list[Request], waiting: deque[Request], max_num_seqs: int,
+                     max_num_batched_tokens: int) -> None:
+        """Take `req` (just queued) out of the queue and raise Shed when it is expected to start (and
+        take its prefill step) after its deadline."""
+        start = self.start_estimate_s(req, running, waiting, max_num_seqs, max_num_batched_tokens)
+        if start is None:
+            return
+        if self.clock() + start + (self.step_times.mean_recent or 0.0) > req.deadline:
+            waiting.remove(req)
+            self.shed(req)
+            raise Shed(f"{req.request_id}: it would start in about {start:.2f} s, after its deadline "
+                       f"({max(req.deadline - self.clock(), 0.0):.2f} s from now)", start)
+
     def start_estimate_s(self, req: Request, running: list[Request], waiting: deque[Request], max_num_seqs: int,
                          max_num_batched_tokens: int) -> float | None:
         """When `req`, just queued, would start: None before any step was measured."""
