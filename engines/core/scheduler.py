@@ -33,12 +33,9 @@ LoRA adapters (lora_slots): a request is admitted with its adapter's device slot
 leaves the running batch; one whose adapter cannot get a slot (all held by other adapters' running
 requests) waits while those behind it go on; the plan names the adapters to load first.
 
-Service levels (engines/core/slo.py, ServiceLevel, chosen once): the order requests wait in (arrival;
-priority then arrival; tenants' fair-share tags), which running request is preempted first (under
-priority the running list is kept in priority order: the last goes first), the pacer's caps on the
-batch and the step's tokens (option.target_tpot_ms), and deadlines (a request expected to start too
-late is refused with Shed at add(); one still waiting when its deadline comes is taken by
-take_expired()).
+Service levels (engines/core/slo.py, ServiceLevel): the queue's order (arrival, priority, fair-share tags),
+who is preempted first (under priority `running` is kept in priority order), the TPOT pacer's caps, and
+deadlines (Shed raised by add(); take_expired() for those still waiting when theirs comes).
 
 The plan (engines/core/plan.py) says only what changed: requests new to the runner (or back after
 a preemption) in full, others as the block ids appended since the last plan.
