@@ -6,11 +6,14 @@ texts always concatenate to `generated_text`, streamed or not. When a stop strin
 request is aborted in the engine and the text is cut before it.
 
 Whatever the token rate, the client, the deadline and the server's state (engine dead, drain over)
-are checked at least every POLL_S: a request is never kept alive by its own tokens.
+are checked at least every POLL_S: a request is never kept alive by its own tokens. With several
+model copies, a request whose copy died before any of its output arrived here is re-sent to a copy
+that serves (`EnginePool.resend`); one that had output fails, since what was said cannot be taken back.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import queue
 import select
@@ -24,6 +27,8 @@ from handlers.errors import HttpError
 from handlers.request_metrics import REQUEST_METRICS
 from handlers.schemas import GenerationRequest
 from handlers.tokenizer import IncrementalDetokenizer, TextTokenizer
+
+log = logging.getLogger(__name__)
 
 POLL_S = 0.05  # how often a waiting request checks its client and its deadline
 
@@ -143,10 +148,26 @@ class Generation:
         if is_gone():
             raise ClientGone()
         err = self._interrupted()
+        if isinstance(err, CopyDied):
+            err = self._move(err)
         if err is not None:
             raise err
         if self._checked_at > deadline:
             raise HttpError(424, "the engine did not answer within option.predict_timeout")
+
+    def _move(self, died: "CopyDied") -> HttpError | None:
+        """Re-send the request to a copy that serves when none of its output has arrived (None: it goes on
+        there), else the error to fail it with. Output that arrived, streamed or collected for one reply,
+        is never re-sent: a second copy could not continue it (sampling), only start again."""
+        if self.num_generated_tokens:
+            n = self.num_generated_tokens
+            return HttpError(424, f"{died.message} (after {n} generated token{'s' * (n != 1)})")
+        resent = self.client.resend(self.request_id)
+        if resent is None:  # no other copy serves
+            return died
+        log.info("[%s] model copy %d died before the request's first token: re-sent", self.request_id, died.copy)
+        self._queue = resent
+        return None
 
     def _tokens_of(self, out: Output) -> Iterator[dict]:
         if out.prompt_log_probs is not None:
@@ -191,6 +212,14 @@ class Generation:
         if top is not None:
             token["top_tokens"] = self._alternatives(top)
         return token
+
+
+class CopyDied(HttpError):
+    """The model copy a request was sent to died (one of several; the engine as a whole serves on)."""
+
+    def __init__(self, copy: int, reason: str):
+        super().__init__(424, f"the model failed during generation: model copy {copy}: {reason}")
+        self.copy = copy
 
 
 class ClientGone(Exception):
