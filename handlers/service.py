@@ -22,18 +22,18 @@ from typing import Callable, Iterator
 import msgspec
 from flask import Response, current_app, g, request
 
-from engines.config import ENGINE_DYNAMIC, LmiConfig
+from engines.config import ENGINE_DYNAMIC, ENGINE_PAGED, LmiConfig
 from engines.process.rundir import draining_path, read_failure
-from engines.protocol import STATE_READY, AdapterInfo
+from engines.protocol import STATE_READY, AdapterInfo, Slo
 from engines.spec import ModelSpec
 from handlers.chat_template import ChatTemplate
 from handlers.engine_client import EngineClient
 from handlers.engine_pool import EnginePool
 from handlers.errors import HttpError, bad_request
 from handlers.formatters import collect
-from handlers.generation import ClientGone, Generation, client_gone
+from handlers.generation import ClientGone, CopyDied, Generation, client_gone
 from handlers.refusals import refuse_dynamic_sampling
-from handlers.schemas import GenerationRequest, RequestLimits
+from handlers.schemas import GenerationRequest, RequestLimits, slo_of
 from handlers.tokenizer import TextTokenizer
 
 log = logging.getLogger("handlers.app")
@@ -41,6 +41,15 @@ log = logging.getLogger("handlers.app")
 PING_TIMEOUT_S = 1.0  # a health round trip when the snapshot is older than PING_SNAPSHOT_AGE_S
 PING_SNAPSHOT_AGE_S = 1.0  # a ready snapshot this fresh answers /ping (a death shows through engine.dead)
 BODY_CHUNK = 1 << 16
+TIMEOUT_HEADER = "X-Request-Timeout"  # seconds within which the request must start (parameters.timeout)
+MAX_TENANT_CHARS = 128  # a tenant's name as /metrics labels it
+
+
+def _number_or_text(raw: str):
+    try:
+        return float(raw)
+    except ValueError:
+        return raw  # (slo_of names the header and what it holds)
 
 
 class Service:
@@ -95,14 +104,13 @@ class Service:
         return self._drain_deadline
 
     def interrupted(self, request_id: str | None = None) -> HttpError | None:
-        """Why a request in flight must end now, if it must (with several copies: its copy died)."""
+        """Why a request in flight must end now, if it must (with several copies: its copy died, CopyDied)."""
         dead = self.engine_dead()
-        if dead is None and request_id is not None and isinstance(self.client, EnginePool):
-            index = self.client.copy_of(request_id)
-            dead = self.client.dead(index) if index is not None else None
-            dead = f"model copy {index}: {dead}" if dead else None
         if dead:
             return HttpError(424, f"the model failed during generation: {dead}")
+        died = self.client.copy_died(request_id) if request_id and isinstance(self.client, EnginePool) else None
+        if died:  # its Generation re-sends it to another copy when none of its output has arrived
+            return CopyDied(*died)
         deadline = self.drain_deadline()
         if deadline is not None and time.time() > deadline:
             return HttpError(503, "the server is shutting down: the request was aborted at the end of the drain "
@@ -140,6 +148,7 @@ class Service:
             req = replace(req, sampling=msgspec.structs.replace(req.sampling, bad_words_ids=tuple(sorted(w for w in ids
                                                                                                        if w))))
         refuse_dynamic_sampling(self.is_dynamic, req.sampling)
+        req = replace(req, slo=self.service_level(req.slo))
         if req.sampling.logit_bias and req.sampling.logit_bias[-1][0] >= self.vocab_size:
             raise bad_request(f"logit_bias names token {req.sampling.logit_bias[-1][0]}: this model's token ids are "
                               f"0 .. {self.vocab_size - 1}", "logit_bias")
@@ -192,6 +201,26 @@ class Service:
     def streams_by_default(self, req: GenerationRequest) -> bool:
         """option.output_formatter=jsonlines|sse streams every one-input request, as DJL does."""
         return self.config.server.output_formatter != "json" and not self.is_dynamic and not req.is_list
+
+    def service_level(self, slo: Slo) -> Slo:
+        """The request's Slo with what its headers add: the tenant (option.fair_share_key names the
+        header) and X-Request-Timeout (seconds to start, as parameters.timeout); checked against the
+        engine: a priority needs option.scheduling_policy=priority, a deadline the paged engine."""
+        sched = self.config.scheduler
+        timeout = request.headers.get(TIMEOUT_HEADER)
+        if timeout is not None:
+            seconds = slo_of({"timeout": _number_or_text(timeout)}, where=f"header {TIMEOUT_HEADER}: ").max_wait_ms
+            slo = msgspec.structs.replace(slo, max_wait_ms=min(filter(None, (slo.max_wait_ms, seconds))))
+        if slo.priority and sched.scheduling_policy != "priority":
+            raise bad_request(f"priority {slo.priority} is served with option.scheduling_policy=priority; this server "
+                              f"admits requests in arrival order ({sched.scheduling_policy})", "priority")
+        if slo.max_wait_ms is not None and sched.engine_kind != ENGINE_PAGED:
+            raise bad_request(f"a request timeout is honoured by the paged engine, not the {sched.engine_kind} "
+                              "engine this server runs", "timeout")
+        key = sched.fair_share_key
+        if key and key != "adapter":
+            slo = msgspec.structs.replace(slo, tenant=request.headers.get(key, "")[:MAX_TENANT_CHARS])
+        return slo
 
     # -- request bodies -----------------------------------------------------------------------------
     def body(self) -> bytes:
