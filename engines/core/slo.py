@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import logging
 import math
 import time
 from collections import deque
 
 from engines.core.request import Request
+
+log = logging.getLogger(__name__)
 
 MIN_SAMPLES = 8  # steps measured before the model predicts anything
 WINDOW = 256  # the steps it is fitted on: the latest, so that it follows the host's drift
@@ -102,6 +105,7 @@ class Pacer:
         self.target_s = target_s
         self.step_times = step_times
         self.min_chunk = min_chunk
+        self._warned = False
 
     def token_budget(self, num_seqs: int, num_context: int, ceiling: int) -> int:
         """Tokens a step of `num_seqs` requests over `num_context` cached tokens may compute."""
@@ -120,6 +124,12 @@ class Pacer:
         """May one more request decode beside `num_seqs` others (over `num_context` cached tokens)?"""
         if num_seqs == 0:
             return True
+        if num_seqs == 1 and not self._warned:
+            alone = self.step_times.predict(1 + self.min_chunk, 1, num_context)
+            if alone is not None and alone > self.target_s:
+                self._warned = True
+                log.warning("option.target_tpot_ms=%.0f is below the measured step time of a single request "
+                            "(%.0f ms here): the batch is held at one request", self.target_s * 1000, alone * 1000)
         # with room left for a chunk of its prompt (or another's) beside the decodes
         predicted = self.step_times.predict(num_seqs + 1 + self.min_chunk, num_seqs + 1, num_context)
         if predicted is None:  # not measured yet: the batch grows by one request per step measured
