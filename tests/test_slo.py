@@ -288,3 +288,17 @@ def test_service_level_keys_need_the_paged_engine_and_reach_its_config(tiny_mode
         build({"option.rolling_batch": "scheduler", "option.target_tpot_ms": "80"})
     with pytest.raises(ConfigError, match="option.scheduling_policy"):
         build({"option.scheduling_policy": "lifo"})
+
+
+def test_a_deadline_counts_the_prompt_tokens_queued_ahead_even_with_rows_free():
+    clock = Clock()
+    slo = ServiceLevel("fcfs", clock=clock)
+    for _ in range(16):
+        slo.step_times.observe(2, 2, 10, 0.1)
+    sched, _ = make(num_blocks=512, seqs=8, tokens=64, slo=slo)
+    for i in range(3):  # 3 × 100 prompt tokens ahead, 64 a step: the 4th one's 4 tokens end in step 5
+        sched.add(req(f"long{i}", prompt=100, arrival=i))
+    with pytest.raises(Shed):
+        sched.add(req("late", deadline=clock.now + 0.45, arrival=3))
+    sched.add(req("in-time", deadline=clock.now + 0.55, arrival=4))
+    assert [r.request_id for r in sched.waiting][-1] == "in-time"

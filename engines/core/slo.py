@@ -258,33 +258,42 @@ class ServiceLevel:
 
     def shed_if_late(self, req: Request, running: list[Request], waiting: deque[Request], max_num_seqs: int,
                      max_num_batched_tokens: int) -> None:
-        """Take `req` (just queued) out of the queue and raise Shed when it is expected to start (and
-        take its prefill step) after its deadline."""
-        start = self.start_estimate_s(req, running, waiting, max_num_seqs, max_num_batched_tokens)
-        if start is None:
+        """Take `req` (just queued) out of the queue and raise Shed when its first token is expected after
+        its deadline (Retry-After: when a row is expected to free up for it)."""
+        estimate = self.first_token_estimate_s(req, running, waiting, max_num_seqs, max_num_batched_tokens)
+        if estimate is None:
             return
-        if self.clock() + start + (self.step_times.mean_recent or 0.0) > req.deadline:
+        start, first = estimate
+        if self.clock() + first > req.deadline:
             waiting.remove(req)
             self.shed(req)
-            raise Shed(f"{req.request_id}: it would start in about {start:.2f} s, after its deadline "
+            raise Shed(f"{req.request_id}: its first token would come in about {first:.2f} s, after its deadline "
                        f"({max(req.deadline - self.clock(), 0.0):.2f} s from now)", start)
 
-    def start_estimate_s(self, req: Request, running: list[Request], waiting: deque[Request], max_num_seqs: int,
-                         max_num_batched_tokens: int) -> float | None:
-        """When `req`, just queued, would start: None before any step was measured."""
+    def first_token_estimate_s(self, req: Request, running: list[Request], waiting: deque[Request], max_num_seqs: int,
+                               budget: int) -> tuple[float, float] | None:
+        """(when `req`, just queued, would get a row; when its first token would come), in seconds from
+        now; None before any step was measured. Its first token waits for a row (each request ahead takes
+        the first to free up: start_step) and for the prompt tokens ahead of it, which share the steps'
+        token budget with the decodes."""
         step_s = self.step_times.mean_recent
         if step_s is None:
             return None
         key = self.key(req)
         ahead = [w for w in waiting if w is not req and (not self.ordered or self.key(w) < key)]
-        if not ahead and len(running) < max_num_seqs:
-            return 0.0
+
+        def prompt_left(r: Request) -> int:  # (a decoding request's one token is a decode)
+            return r.num_tokens - r.num_computed_tokens if r.num_tokens - r.num_computed_tokens > 1 else 0
 
         def steps(r: Request) -> int:  # the prompt's chunks before the one that samples, then a step a token
-            return -(-max(r.num_tokens - r.num_computed_tokens, 1) // max_num_batched_tokens) - 1 + r.num_remaining_tokens
+            return -(-max(prompt_left(r), 1) // budget) - 1 + r.num_remaining_tokens
 
-        start = start_step([steps(r) for r in running], max_num_seqs - len(running), [steps(w) for w in ahead])
-        return start * step_s
+        start = start_step([steps(r) for r in running], max_num_seqs - len(running), [steps(w) for w in ahead]) \
+            if ahead or len(running) >= max_num_seqs else 0
+        prompts = sum(prompt_left(r) for r in running) + sum(prompt_left(w) for w in ahead) + req.num_tokens
+        behind_prompts = -(-prompts // max(budget - len(running), 1))
+        first = max(start + -(-req.num_tokens // budget), behind_prompts)
+        return start * step_s, first * step_s
 
     def metrics(self, waiting: deque[Request], running: list[Request]) -> dict[str, float]:
         out = {"requests_shed": self.num_shed, "priority_preemptions": self.num_priority_preemptions}
