@@ -184,6 +184,12 @@ def cmd_make_model(args) -> int:
     return 0
 
 
+def cmd_tune(args) -> int:
+    from container.tune import run
+
+    return run(args)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lmi", description="lmi-serve: LMI-style LLM inference server",
                                 formatter_class=_CommandListFormatter)
@@ -218,6 +224,11 @@ def parser() -> argparse.ArgumentParser:
                    help="write a draft model for speculative decoding instead: MODEL_DIR's embeddings, first "
                         "--num-layers layers (default 2), final norm and LM head")
     m.set_defaults(fn=cmd_make_model)
+    from container.tune import add_arguments as tune_arguments
+
+    t = sub.add_parser("tune", help=TUNE, description=TUNE)
+    tune_arguments(t)
+    t.set_defaults(fn=cmd_tune)
     return p
 
 
@@ -251,6 +262,7 @@ COMMANDS = (
     ("plan", cmd_plan, "will it fit? weights, KV cache and sequences per rank, without loading weights"),
 )
 MAKE_MODEL = "write a random-weight model and a tokenizer trained on local text, as safetensors"
+TUNE = "serve candidate configurations for real and write the fastest that meets the latency targets (docs/tune.md)"
 
 
 def main(argv: list[str] | None = None) -> int:
