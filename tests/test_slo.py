@@ -302,3 +302,24 @@ def test_a_deadline_counts_the_prompt_tokens_queued_ahead_even_with_rows_free():
         sched.add(req("late", deadline=clock.now + 0.45, arrival=3))
     sched.add(req("in-time", deadline=clock.now + 0.55, arrival=4))
     assert [r.request_id for r in sched.waiting][-1] == "in-time"
+
+
+def test_a_target_below_one_requests_step_still_serves_one_request_at_a_time():
+    """A step costs 10 ms a request and 0.01 ms a token; the target is 1 ms: unreachable. The batch is
+    held at one request, which still gets all its tokens (an empty batch always takes one)."""
+    times = StepTimes()
+    slo = ServiceLevel("fcfs", pacer=Pacer(0.001, times))
+    sched, runner = make(seqs=8, tokens=64, slo=slo)
+    sched.add(req("warm", prompt=40, max_new=20))  # the model is fitted before the others arrive
+    for n in range(400):
+        if n == 20:
+            for i in range(4):
+                sched.add(req(f"r{i}", prompt=40, max_new=5, arrival=1 + i))
+        if not sched.has_unfinished and n > 20:
+            break
+        plan = sched.schedule()
+        times.observe(plan.total_num_scheduled_tokens, len(plan.scheduled), 0,
+                      0.01 * len(plan.scheduled) + 0.00001 * plan.total_num_scheduled_tokens)
+        sched.update(plan, runner.execute(plan))
+        assert sched.num_running <= max(1, times.num_observed)
+    assert not sched.has_unfinished

@@ -335,7 +335,8 @@ class Scheduler:
                     req.lora_name is not None and not self.lora_slots.can_acquire(req.lora_name):
                 i += 1  # (every LoRA slot is held by running requests of other adapters)
                 continue
-            step_budget = budget - (pacer.seq_tokens() if pacer is not None else 0)  # (its row's cost)
+            # (its row's cost; the first request of an empty batch always joins)
+            step_budget = budget - (pacer.seq_tokens() if pacer is not None and self.running else 0)
             if step_budget <= 0:
                 break
             num_new = min(req.num_tokens - len(computed) * bm.block_size, step_budget)
