@@ -335,8 +335,7 @@ class Scheduler:
                     req.lora_name is not None and not self.lora_slots.can_acquire(req.lora_name):
                 i += 1  # (every LoRA slot is held by running requests of other adapters)
                 continue
-            # (its row's cost; the first request of an empty batch always joins)
-            step_budget = budget - (pacer.seq_tokens() if pacer is not None and self.running else 0)
+            step_budget = budget - (pacer.seq_tokens() if pacer is not None and self.running else 0)  # (its row)
             if step_budget <= 0:
                 break
             num_new = min(req.num_tokens - len(computed) * bm.block_size, step_budget)
