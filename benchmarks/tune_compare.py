@@ -3,7 +3,7 @@
     python -m benchmarks.tune_compare --model-dir models/small --budget 15m --concurrency 16 \
         --prompt-tokens 128 --output-tokens 64 --ttft-p90 1.0 --tpot-p90 0.150
 
-1. halving: `lmi tune`'s successive halving over every knob of this host (container/tune_search.py);
+1. halving: `lmi tune`'s successive halving over every knob of this host (container/tune/search.py);
 2. grid: vLLM's benchmarks/auto_tune: every cell of max_num_seqs x max_num_batched_tokens served and
    measured once with the same window (the budget shared equally), the winner the highest throughput
    under the latency cap (ours: the p90 TTFT and TPOT targets, at the same concurrency; auto_tune's
@@ -26,12 +26,12 @@ import time
 from dataclasses import asdict
 
 from container import tune
-from container.tune_output import workload_text
-from container.tune_report import plot_frontier, trial_json
-from container.tune_search import Budget, Overhead, Trial, best, grid_search, ranked, successive_halving
-from container.tune_server import Evaluator
-from container.tune_space import Candidate, label, prune
-from container.tune_verify import interleaved, median_of
+from container.tune.output import workload_text
+from container.tune.report import plot_frontier, trial_json
+from container.tune.search import Budget, Overhead, Trial, best, grid_search, ranked, successive_halving
+from container.tune.server import Evaluator
+from container.tune.space import Candidate, label, prune
+from container.tune.verify import interleaved, median_of
 
 GRID_SEQS = (4, 8, 16, 32, 64)  # auto_tune's NUM_SEQS_LIST, at this host's scale
 GRID_TOKENS = (256, 512, 1024, 2048)  # NUM_BATCHED_TOKENS_LIST

@@ -185,7 +185,7 @@ def cmd_make_model(args) -> int:
 
 
 def cmd_tune(args) -> int:
-    from container.tune import run
+    from container.tune.command import run
 
     return run(args)
 
@@ -224,7 +224,7 @@ def parser() -> argparse.ArgumentParser:
                    help="write a draft model for speculative decoding instead: MODEL_DIR's embeddings, first "
                         "--num-layers layers (default 2), final norm and LM head")
     m.set_defaults(fn=cmd_make_model)
-    from container.tune import add_arguments as tune_arguments
+    from container.tune.command import add_arguments as tune_arguments
 
     t = sub.add_parser("tune", help=TUNE, description=TUNE)
     tune_arguments(t)

@@ -14,15 +14,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from container import cli, tune, tune_space
+from container import cli
+from container.tune import command as tune, space as tune_space
 from container.properties import parse_properties, read_properties
-from container.tune_load import LoadShape, Record, measure, percentile, summarise
-from container.tune_search import (Budget, Measurement, Overhead, Targets, Trial, best, first_window, frontier,
+from container.tune.load import LoadShape, Record, measure, percentile, summarise
+from container.tune.search import (Budget, Measurement, Overhead, Targets, Trial, best, first_window, frontier,
                                    grid_search, plan_cost, rank_key, rung_counts, successive_halving)
-from container.tune_server import write_properties
-from container.tune_space import Candidate, Checker, Host, candidates, knobs, label, prune
-from container.tune_verify import decide, median_of
-from container.tune_workload import Lengths, PromptMaker, build_bodies, read_trace
+from container.tune.server import write_properties
+from container.tune.space import Candidate, Checker, Host, candidates, knobs, label, prune
+from container.tune.verify import decide, median_of
+from container.tune.workload import Lengths, PromptMaker, build_bodies, read_trace
 from engines.weights.memory_plan import Machine
 
 TARGETS = Targets(ttft_p90=1.0, tpot_p90=0.150)

@@ -4,10 +4,10 @@ meeting p90 TTFT and TPOT targets, by serving each candidate for real and measur
     lmi tune --model-dir M --prompt-tokens 128 --output-tokens 64 --concurrency 16 \
              --ttft-p90 1.0 --tpot-p90 0.150 --budget 15m --out tuned/serving.properties
 
-Steps: the candidates of this host (container/tune_space.py), less what the configuration check
-and the memory plan refuse; successive halving over them within the budget (tune_search.py), each
-trial a real server (tune_server.py) under the load (tune_load.py); the pick and the defaults
-measured again, interleaved (tune_verify.py); the table, JSON, markdown and PNG (tune_report.py).
+Steps: the candidates of this host (container/tune/space.py), less what the configuration check
+and the memory plan refuse; successive halving over them within the budget (search.py), each
+trial a real server (server.py) under the load (load.py); the pick and the defaults
+measured again, interleaved (verify.py); the table, JSON, markdown and PNG (report.py).
 The search's heavy modules load inside `run`, so that `lmi --help` stays quick.
 """
 
@@ -20,11 +20,11 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from container.tune_search import Targets
+from container.tune.search import Targets
 
 if TYPE_CHECKING:  # the heavy modules load in run()
-    from container.tune_load import LoadShape
-    from container.tune_space import Candidate, Checker, Host, Pruned
+    from container.tune.load import LoadShape
+    from container.tune.space import Candidate, Checker, Host, Pruned
 
 DEFAULT_OVERHEAD_S = 20.0  # a trial's start + warm-up + drain + stop before one is measured
 VERIFY_ROUNDS = 3
@@ -94,9 +94,9 @@ class Setup:
 def prepare(args) -> Setup:
     from container import config as cfgmod
     from container.properties import read_properties
-    from container.tune_load import LoadShape
-    from container.tune_space import Checker, this_host
-    from container.tune_workload import Lengths, build_bodies, longest_sequence, read_trace
+    from container.tune.load import LoadShape
+    from container.tune.space import Checker, this_host
+    from container.tune.workload import Lengths, build_bodies, longest_sequence, read_trace
     from engines.weights.artifacts import resolve_model
 
     for name in ("prompt_tokens", "output_tokens", "concurrency"):
@@ -123,7 +123,7 @@ def prepare(args) -> Setup:
 
 def space(setup: Setup, args) -> tuple[list[Candidate], list[Pruned]]:
     """(the candidates to try in order, those pruned with the reason)."""
-    from container.tune_space import candidates, knobs, not_searched, prune
+    from container.tune.space import candidates, knobs, not_searched, prune
 
     only = [k.strip() for k in args.knobs.split(",") if k.strip()] if args.knobs else None
     settings = knobs(setup.host, concurrency=setup.load.concurrency, tpot_target_s=args.tpot_p90, only=only)
@@ -134,10 +134,10 @@ def space(setup: Setup, args) -> tuple[list[Candidate], list[Pruned]]:
 
 
 def run(args) -> int:
-    from container.tune_report import Progress
-    from container.tune_search import Budget, Overhead, best, successive_halving
-    from container.tune_server import Evaluator
-    from container.tune_verify import interleaved
+    from container.tune.report import Progress
+    from container.tune.search import Budget, Overhead, best, successive_halving
+    from container.tune.server import Evaluator
+    from container.tune.verify import interleaved
 
     clock = time.monotonic
     total = Budget(args.budget, clock)
@@ -164,7 +164,7 @@ def run(args) -> int:
             if pick and rounds else []
     finally:
         progress.close()
-    from container.tune_output import report
+    from container.tune.output import report
 
     return report(args, setup, kept, pruned, trials, finals, pick, total)
 

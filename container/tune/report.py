@@ -10,7 +10,7 @@ import time
 from dataclasses import asdict
 from typing import Callable, Mapping, Sequence
 
-from container.tune_search import Measurement, Targets, Trial, frontier
+from container.tune.search import Measurement, Targets, Trial, frontier
 
 COLUMNS = ("trial", "rung", "window s", "tok/s", "ttft p50 s", "ttft p90 s", "tpot p90 ms", "requests", "errors",
            "meets", "config")

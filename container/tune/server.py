@@ -14,9 +14,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-from container.tune_load import LoadShape, measure
-from container.tune_search import Budget, Trial
-from container.tune_space import Candidate
+from container.tune.load import LoadShape, measure
+from container.tune.search import Budget, Trial
+from container.tune.space import Candidate
 
 PING_INTERVAL_S = 0.2
 STOP_TIMEOUT_S = 30.0

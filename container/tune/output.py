@@ -9,11 +9,11 @@ import time
 from dataclasses import asdict
 from typing import Sequence
 
-from container.tune_report import markdown_table, plot_frontier, rows, text_table, trial_json
-from container.tune_search import Budget, Measurement, Targets, Trial
-from container.tune_server import write_properties
-from container.tune_space import Candidate, Pruned
-from container.tune_verify import Verdict, decide, median_of
+from container.tune.report import markdown_table, plot_frontier, rows, text_table, trial_json
+from container.tune.search import Budget, Measurement, Targets, Trial
+from container.tune.server import write_properties
+from container.tune.space import Candidate, Pruned
+from container.tune.verify import Verdict, decide, median_of
 
 
 def verdict_of(finals: Sequence[Trial], pick: Trial | None, kept: Sequence[Candidate], pruned: Sequence[Pruned],

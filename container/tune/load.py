@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from container.tune_search import Measurement
+from container.tune.search import Measurement
 
 TPOT_TOKENS = 8  # tokens a counted request needs before the drain may stop (what its TPOT is measured on)
 ERROR_PAUSE_S = 0.5

@@ -12,10 +12,10 @@ import statistics
 from dataclasses import dataclass
 from typing import Sequence
 
-from container.tune_load import measure
-from container.tune_search import Measurement, Targets, Trial
-from container.tune_server import Evaluator, StartFailure
-from container.tune_space import Candidate
+from container.tune.load import measure
+from container.tune.search import Measurement, Targets, Trial
+from container.tune.server import Evaluator, StartFailure
+from container.tune.space import Candidate
 
 
 @dataclass(frozen=True)
