@@ -4,11 +4,13 @@ exactly the requests that cannot start in time, and a TPOT target held under a s
 
 from __future__ import annotations
 
+import math
 import zlib
 
 import pytest
 
-from engines.core.slo import FairShare, Pacer, ServiceLevel, Shed, StepTimes, start_step
+from engines.core.forecast import start_step
+from engines.core.slo import FairShare, Pacer, ServiceLevel, Shed, StepTimes
 from engines.core.request import Request
 from tests.test_scheduler import EOS, make, step
 from engines.sampling_params import SamplingParams
@@ -323,3 +325,22 @@ def test_a_target_below_one_requests_step_still_serves_one_request_at_a_time():
         sched.update(plan, runner.execute(plan))
         assert sched.num_running <= max(1, times.num_observed)
     assert not sched.has_unfinished
+
+
+def test_the_io_threads_screen_counts_what_it_let_through_until_a_forecast_has_it():
+    from engines.core.forecast import Forecast, Queued, Screen
+
+    screen = Screen()
+    for _ in range(3):  # arrivals 0, 1, 2 go on to the inbox, each to hold a row for 10 steps
+        screen.let_through((0, math.inf, math.inf), 10, 4)
+    # the engine has taken arrivals 0 and 1 (its forecast queues one of them: the other was refused)
+    f = Forecast(0.1, rows=[5], free_rows=0, running_prompts=0, queue=[Queued((0, 0.0, 7), 10, 4)], budget=64,
+                 num_taken=2)
+    start, first = screen.first_token_s(f, (0, math.inf, math.inf), 4)
+    # one row, free in 5 steps; two requests ahead (the queued one, arrival 2 still in the inbox)
+    assert (start, first) == pytest.approx((2.5, 2.6))
+    assert screen.first_token_s(f._replace(num_taken=3, queue=[]), (0, math.inf, math.inf), 4) == \
+        pytest.approx((0.5, 0.6))
+    # under priority only equal or higher priorities are ahead
+    assert screen.first_token_s(f._replace(queue=[Queued((1, 0.0, 7), 10, 4)]), (0, math.inf, math.inf), 4) == \
+        pytest.approx((0.5, 0.6))

@@ -5,19 +5,19 @@
     Pacer       option.target_tpot_ms: how many requests may decode together and how many prompt
                 tokens a step may add so that the predicted step time stays under the target
     FairShare   option.fair_share_key: start-time fair queuing over tenants at admission
-    start_step  when a waiting request would start, from the running requests' remaining tokens and
-                the requests ahead of it (deadlines: shed at once what cannot start in time)
+    ServiceLevel  what the scheduler asks: queue order, who is preempted first, pacing, deadlines
+                (when a first token would come: engines/core/forecast.py)
 """
 
 from __future__ import annotations
 
 import bisect
-import heapq
 import logging
 import math
 import time
 from collections import deque
 
+from engines.core.forecast import Forecast, first_token_s, forecast_of
 from engines.core.request import Request
 
 log = logging.getLogger(__name__)
@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 MIN_SAMPLES = 8  # steps measured before the model predicts anything
 WINDOW = 256  # the steps it is fitted on: the latest, so that it follows the host's drift
 REFIT_EVERY = 8
-RIDGE = 1e-9  # keeps the fit defined while decode-only steps make tokens and requests collinear
+RIDGE = 1e-9
+PROMPT_RATIO_WEIGHT = 0.05  # how fast the pacer's prompt/output ratio follows new requests  # keeps the fit defined while decode-only steps make tokens and requests collinear
 
 
 class StepTimes:
@@ -74,10 +75,14 @@ class StepTimes:
         return max(sum(w * v for w, v in zip(self.weights, x)), 0.0)
 
     @property
-    def mean_recent(self) -> float | None:
-        """The mean time of the last 16 steps (what a step costs now, whatever it computes)."""
+    def recent_p90(self) -> float | None:
+        """The 90th percentile of the last 16 steps' times (what a step costs now, whatever it computes,
+        on the safe side: deadlines are estimated with it)."""
         n = min(len(self._samples), 16)
-        return sum(self._samples[-1 - i][1] for i in range(n)) / n if n else None
+        if not n:
+            return None
+        recent = sorted(self._samples[-1 - i][1] for i in range(n))
+        return recent[int(0.9 * (n - 1))]
 
 
 def _solve(xx: list[list[float]], xy: list[float]) -> tuple[float, ...]:
@@ -97,15 +102,24 @@ def _solve(xx: list[list[float]], xy: list[float]) -> tuple[float, ...]:
 
 
 class Pacer:
-    """option.target_tpot_ms: a decode step must not take longer than the target. Before the model
-    has measured enough steps the batch grows by one request a step measured; one request always runs,
-    and a step always has room for `min_chunk` prompt tokens, so that everything moves."""
+    """option.target_tpot_ms: the steps a decoding request waits through must not take longer than
+    the target. A batch of n decoding requests also prefills the requests that replace them as they
+    finish: on average (prompt tokens / output tokens) prompt tokens per decode per step. So a request
+    joins only if n + 1 decodes plus that share of prompt tokens fit the target; a step's prompt
+    tokens are what the target leaves beside its decodes. Before the model has measured enough steps
+    the batch grows by one request a step measured; one request always runs, and a step always has
+    room for `min_chunk` prompt tokens, so that everything moves."""
 
     def __init__(self, target_s: float, step_times: StepTimes, min_chunk: int = 16):
         self.target_s = target_s
         self.step_times = step_times
         self.min_chunk = min_chunk
+        self.prompt_per_output = 0.0  # recent requests' prompt tokens computed / max_new_tokens (moving mean)
         self._warned = False
+
+    def admitted(self, num_prompt_tokens: int, max_new_tokens: int) -> None:
+        ratio = num_prompt_tokens / max(max_new_tokens, 1)
+        self.prompt_per_output += PROMPT_RATIO_WEIGHT * (ratio - self.prompt_per_output)
 
     def token_budget(self, num_seqs: int, num_context: int, ceiling: int) -> int:
         """Tokens a step of `num_seqs` requests over `num_context` cached tokens may compute."""
@@ -125,13 +139,13 @@ class Pacer:
         if num_seqs == 0:
             return True
         if num_seqs == 1 and not self._warned:
-            alone = self.step_times.predict(1 + self.min_chunk, 1, num_context)
+            alone = self.step_times.predict(1, 1, num_context)
             if alone is not None and alone > self.target_s:
                 self._warned = True
                 log.warning("option.target_tpot_ms=%.0f is below the measured step time of a single request "
                             "(%.0f ms here): the batch is held at one request", self.target_s * 1000, alone * 1000)
-        # with room left for a chunk of its prompt (or another's) beside the decodes
-        predicted = self.step_times.predict(num_seqs + 1 + self.min_chunk, num_seqs + 1, num_context)
+        n = num_seqs + 1
+        predicted = self.step_times.predict(math.ceil(n * (1 + self.prompt_per_output)), n, num_context)
         if predicted is None:  # not measured yet: the batch grows by one request per step measured
             return num_seqs < self.step_times.num_observed
         return predicted <= self.target_s
@@ -154,20 +168,6 @@ class FairShare:
 
     def admitted(self, tag: float) -> None:
         self.virtual_time = max(self.virtual_time, tag)
-
-
-def start_step(remaining: list[int], free_slots: int, ahead: list[int]) -> int:
-    """Steps until a waiting request starts: `remaining` are the running requests' steps left, `free_slots`
-    the batch's empty rows, `ahead` the steps each request queued before it will run. Each request
-    ahead takes the first row to free up and holds it for its steps (an upper bound: one that stops
-    early frees it sooner)."""
-    rows = [0] * max(free_slots, 0) + list(remaining)
-    if not rows:
-        return 0
-    heapq.heapify(rows)
-    for steps in ahead:
-        heapq.heappush(rows, heapq.heappop(rows) + steps)
-    return rows[0]
 
 
 POLICY_FCFS = "fcfs"
@@ -228,6 +228,8 @@ class ServiceLevel:
             bisect.insort(running, req, key=self.key)
         else:
             running.append(req)
+        if self.pacer is not None:
+            self.pacer.admitted(req.num_tokens - req.num_computed_tokens, req.sampling.max_new_tokens)
         if self.fair_share is not None:
             self.fair_share.admitted(req.fair_tag)
             stats = self.tenants[req.tenant]
@@ -243,7 +245,7 @@ class ServiceLevel:
         out of the queue, for the engine to answer 503."""
         if not self._deadlines:
             return []
-        soon = self.clock() + (self.step_times.mean_recent or 0.0)
+        soon = self.clock() + (self.step_times.recent_p90 or 0.0)
         expired = [r for r in self._deadlines.values() if soon > r.deadline]
         for req in expired:
             waiting.remove(req)
@@ -273,30 +275,22 @@ class ServiceLevel:
     def first_token_estimate_s(self, req: Request, running: list[Request], waiting: deque[Request], max_num_seqs: int,
                                budget: int) -> tuple[float, float] | None:
         """(when `req`, just queued, would get a row; when its first token would come), in seconds from
-        now; None before any step was measured. Its first token waits for a row (each request ahead takes
-        the first to free up: start_step) and for the prompt tokens ahead of it, which share the steps'
-        token budget with the decodes."""
-        step_s = self.step_times.mean_recent
-        if step_s is None:
+        now (engines/core/forecast.py); None before any step was measured."""
+        f = self.forecast(running, (w for w in waiting if w is not req), max_num_seqs, budget)
+        if f is None:
             return None
         key = self.key(req)
-        ahead = [w for w in waiting if w is not req and (not self.ordered or self.key(w) < key)]
+        return first_token_s(f, [q for q in f.queue if not self.ordered or q.key < key], req.num_tokens)
 
-        def prompt_left(r: Request) -> int:  # (a decoding request's one token is a decode)
-            return r.num_tokens - r.num_computed_tokens if r.num_tokens - r.num_computed_tokens > 1 else 0
+    def forecast(self, running: list[Request], waiting, max_num_seqs: int, budget: int,
+                 num_taken: int = 0) -> Forecast | None:
+        step_s = self.step_times.recent_p90
+        return None if step_s is None else forecast_of(running, waiting, self.key, max_num_seqs, budget, step_s,
+                                                       num_taken)
 
-        def steps(r: Request) -> int:  # the prompt's chunks before the one that samples, then a step a token
-            return -(-max(prompt_left(r), 1) // budget) - 1 + r.num_remaining_tokens
-
-        start = start_step([steps(r) for r in running], max_num_seqs - len(running), [steps(w) for w in ahead]) \
-            if ahead or len(running) >= max_num_seqs else 0
-        prompts = sum(prompt_left(r) for r in running) + sum(prompt_left(w) for w in ahead) + req.num_tokens
-        behind_prompts = -(-prompts // max(budget - len(running), 1))
-        first = max(start + -(-req.num_tokens // budget), behind_prompts)
-        return start * step_s, first * step_s
-
-    def metrics(self, waiting: deque[Request], running: list[Request]) -> dict[str, float]:
-        out = {"requests_shed": self.num_shed, "priority_preemptions": self.num_priority_preemptions}
+    def metrics(self, waiting: deque[Request], running: list[Request], num_shed_elsewhere: int = 0) -> dict[str, float]:
+        out = {"requests_shed": self.num_shed + num_shed_elsewhere,
+               "priority_preemptions": self.num_priority_preemptions}
         if self.pacer is not None and self.step_times.weights is not None:
             out["step_time_model_decode_seconds"] = self.step_times.predict(len(running), len(running),
                                                                             sum(r.num_tokens for r in running)) or 0.0

@@ -37,6 +37,7 @@ class EngineLoop(abc.ABC):
         self._publish = publish
         self.inbox: "queue.SimpleQueue[Add | Abort]" = queue.SimpleQueue()
         self.num_steps = 0
+        self.num_taken = 0  # requests taken from the inbox
         self._step_started: float | None = None
         self._snapshot = HealthReply(STATE_READY)
         self._snapshot_at = 0.0
@@ -165,15 +166,21 @@ class EngineLoop(abc.ABC):
                 self.abort(msg.request_id)
             elif isinstance(msg, AdapterCommand):
                 self.command(msg)
-            elif self.num_waiting >= self.config.scheduler.job_queue_size:
-                self.publish_error(msg.request_id, 503, "the request queue is full "
-                                   f"(job_queue_size={self.config.scheduler.job_queue_size})")
             else:
-                self.add(msg)
+                self.take(msg)
             try:
                 msg = self.inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def take(self, msg: Add) -> None:
+        """A request from the inbox: queued, unless the queue is full (503)."""
+        self.num_taken += 1  # (counted as the IO thread counts what it let through: engines/core/forecast.py)
+        if self.num_waiting >= self.config.scheduler.job_queue_size:
+            self.publish_error(msg.request_id, 503, "the request queue is full "
+                               f"(job_queue_size={self.config.scheduler.job_queue_size})")
+        else:
+            self.add(msg)
 
     def publish(self, outputs: list[Output]) -> None:
         if any(o.finished for o in outputs):  # a caller that has its answer reads /metrics that count it

@@ -8,6 +8,7 @@ scheduling mode (engines/core/modes.py) picks the step loop (steppers.py) once.
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import msgspec
@@ -21,6 +22,7 @@ from engines.core.modes import scheduling_mode
 from engines.core.plan import StepPlan
 from engines.core.request import Request
 from engines.core.scheduler import Scheduler
+from engines.core.forecast import Forecast, Screen
 from engines.core.slo import Shed, service_level
 from engines.core.spec import NgramProposer
 from engines.process.startup import TIMELINE
@@ -53,6 +55,13 @@ class PagedEngine(EngineLoop):
         self.num_multi_steps = 0  # plans that ran more than one decode step
         self.stepper = None
         self.tier_loads: TierLoads | None = None  # option.kv_offload_*: the KV tiers below the pool
+        self._busy_since: float | None = None  # when the last step began, if the loop has been busy since
+        # deadlines shed at arrival by the IO thread (engines/core/forecast.py; not with fair shares,
+        # whose order the IO thread cannot know): the loop's latest forecast, the requests taken so far
+        self._screen: Screen | None = None
+        self._forecast: Forecast | None = None
+        self._forecasting = config.scheduler.max_queue_wait_ms is not None
+        self.num_shed_on_arrival = 0
 
     def load(self) -> None:
         self.runner.load()
@@ -81,6 +90,7 @@ class PagedEngine(EngineLoop):
         self.scheduler = Scheduler(sched.max_num_seqs, sched.max_num_batched_tokens, self.blocks, self.max_model_len,
                                    sched.num_scheduler_steps, lora_slots, service_level(sched, block_size))
         self.adapters = LoraRegistry(self.paged, lora_slots, self.reply) if lora_slots is not None else None
+        self._screen = Screen() if not sched.fair_share_key else None
         if tiers is not None:
             self.tier_loads = TierLoads(self.blocks, self.paged)
             log.info("KV tiers (per rank, write-through): %s", self.paged.tiers.describe())
@@ -165,7 +175,7 @@ class PagedEngine(EngineLoop):
                 "preemptions": sched.num_preemptions, "running": sched.num_running,
                 "waiting": sched.num_waiting, "steps": self.num_steps, "multi_step_runs": self.num_multi_steps,
                 **self.spec.metrics(), **self.paged.sampler.grammars.metrics(),
-                **sched.slo.metrics(sched.waiting, running),
+                **sched.slo.metrics(sched.waiting, running, self.num_shed_on_arrival),
                 **(self.tier_loads.metrics(bm.num_prefix_queries_tokens) if self.tier_loads else {})}
 
     def stop_ranks(self) -> None:
@@ -184,12 +194,11 @@ class PagedEngine(EngineLoop):
     def add(self, msg: Add) -> None:
         if self.refuses_adapter(msg) or self.refuses_grammar(msg, self.paged.sampler.grammars):
             return
-        sched, slo = self.config.scheduler, msg.slo
-        waits = [ms for ms in (slo.max_wait_ms, sched.max_queue_wait_ms) if ms is not None]
+        sched, slo, wait_ms = self.config.scheduler, msg.slo, self._max_wait_ms(msg)
         req = Request(msg.request_id, msg.prompt_token_ids, msg.sampling, self.runner.eos_token_ids, self._arrivals,
                       msg.lora_name, priority=slo.priority,
                       tenant=msg.lora_name or "" if sched.fair_share_key == "adapter" else slo.tenant,
-                      deadline=time.monotonic() + min(waits) / 1000 if waits else None)
+                      deadline=time.monotonic() + wait_ms / 1000 if wait_ms is not None else None)
         self._arrivals += 1
         try:
             self.scheduler.add(req)
@@ -197,6 +206,35 @@ class PagedEngine(EngineLoop):
             self.publish_shed(req.request_id, str(exc), exc.retry_after_s)
         except ValueError as exc:  # can never fit the cache (or the model): refuse now, not never
             self.publish_error(req.request_id, 507, f"the request cannot be served: {exc}")
+
+    def _max_wait_ms(self, msg: Add) -> float | None:
+        waits = [ms for ms in (msg.slo.max_wait_ms, self.config.scheduler.max_queue_wait_ms) if ms is not None]
+        return min(waits) if waits else None
+
+    def submit(self, msg) -> None:
+        """(The IO thread.) A request that the latest forecast says cannot get its first token in time
+        is answered 503 here and now, not after the step in progress; the rest go to the inbox."""
+        if isinstance(msg, Add) and self._screen is not None and self._shed_on_arrival(msg):
+            return
+        super().submit(msg)
+
+    def _shed_on_arrival(self, msg: Add) -> bool:
+        f, wait_ms, sched = self._forecast, self._max_wait_ms(msg), self.config.scheduler
+        budget = sched.max_num_batched_tokens
+        prompt = len(msg.prompt_token_ids)
+        steps = -(-prompt // budget) - 1 + msg.sampling.max_new_tokens
+        key = (msg.slo.priority if self.scheduler.slo.by_priority else 0, math.inf, math.inf)  # behind its equals
+        if wait_ms is not None:
+            self._forecasting = True  # (from now on the loop keeps a forecast after each step)
+            if f is not None:
+                start, first = self._screen.first_token_s(f, key, prompt)
+                if first > wait_ms / 1000:
+                    self.num_shed_on_arrival += 1
+                    self.publish_shed(msg.request_id, f"its first token would come in about {first:.2f} s, after its "
+                                      f"deadline ({wait_ms / 1000:.2f} s from now)", start)
+                    return True
+        self._screen.let_through(key, steps, prompt, queued=f is not None)
+        return False
 
     def publish_shed(self, request_id: str, why: str, retry_after_s: float) -> None:
         self._publish([Output(request_id, [], finished=True, finish_reason=FINISH_ERROR, error_code=503,
@@ -222,13 +260,20 @@ class PagedEngine(EngineLoop):
         sched = self.scheduler
         for req in sched.take_expired():  # (waiting requests whose deadline a step from now would pass)
             self.publish_shed(req.request_id, "its deadline passed while it waited",
-                              sched.slo.step_times.mean_recent or 0.0)
+                              sched.slo.step_times.recent_p90 or 0.0)
         if self.tier_loads is not None and sched.waiting:
             self.tier_loads.before_schedule(sched)
+        # the step-time model learns from the time between two steps' starts, what a decoding request
+        # waits between two tokens (the loop's own work between steps included), when no idle wait came between
         started = time.perf_counter()
+        if self._busy_since is not None:
+            sched.observe_step(started - self._busy_since)
         self.stepper.step()
-        sched.observe_step(time.perf_counter() - started)
         self.retire_unregistered_adapters()
+        self._busy_since = started if sched.has_unfinished else None
+        if self._forecasting:  # what the IO thread sheds arrivals by
+            self._forecast = sched.slo.forecast(sched.running, sched.waiting, sched.max_num_seqs,
+                                                sched.max_num_batched_tokens, self.num_taken)
 
     # -- what the steppers call --------------------------------------------------------------------
     def run_plan(self, plan: StepPlan, pipelined: bool) -> StepResult | None:
