@@ -25,7 +25,7 @@ import sys
 import time
 from dataclasses import asdict
 
-from container import tune
+from container.tune import command as tune
 from container.tune.output import workload_text
 from container.tune.report import plot_frontier, trial_json
 from container.tune.search import Budget, Overhead, Trial, best, grid_search, ranked, successive_halving
