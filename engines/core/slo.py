@@ -25,8 +25,8 @@ log = logging.getLogger(__name__)
 MIN_SAMPLES = 8  # steps measured before the model predicts anything
 WINDOW = 256  # the steps it is fitted on: the latest, so that it follows the host's drift
 REFIT_EVERY = 8
-RIDGE = 1e-9
-PROMPT_RATIO_WEIGHT = 0.05  # how fast the pacer's prompt/output ratio follows new requests  # keeps the fit defined while decode-only steps make tokens and requests collinear
+RIDGE = 1e-9  # keeps the fit defined while decode-only steps make tokens and requests collinear
+PROMPT_RATIO_WEIGHT = 0.05  # how fast the pacer's prompt/output ratio follows new requests
 
 
 class StepTimes:
