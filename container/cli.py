@@ -262,7 +262,7 @@ COMMANDS = (
     ("plan", cmd_plan, "will it fit? weights, KV cache and sequences per rank, without loading weights"),
 )
 MAKE_MODEL = "write a random-weight model and a tokenizer trained on local text, as safetensors"
-TUNE = "serve candidate configurations for real and write the fastest that meets the latency targets (docs/tune.md)"
+TUNE = "serve candidate configurations and write the fastest that meets latency targets"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -231,7 +231,7 @@ def test_lmi_plan_command(tmp_path):
 def test_lmi_help_lists_every_command():
     out = lmi("--help").stdout
     listed = {line.split()[0]: line for line in out.splitlines() if line.startswith("    ") and line.split()}
-    assert list(listed) == ["serve", "config", "plan", "make-model"], out
+    assert list(listed) == ["serve", "config", "plan", "make-model", "tune"], out
     assert all(len(line.split(maxsplit=1)) == 2 for line in listed.values()), out  # a one-line description each
 
 

@@ -435,5 +435,10 @@ def test_lmi_tune_on_the_tiny_model(tiny_model, tmp_path, monkeypatch, capsys):
     assert record["verdict"]["text"] == ("no time was left for the fresh comparison: defaults is the search's best "
                                          "by its own measurements")
     assert parse_properties(out.read_text()) == {}  # the defaults: nothing to change
-    assert (out.parent / "frontier.png").stat().st_size > 0 and "| defaults |" in (out.parent / "tune.md").read_text()
+    assert "| defaults |" in (out.parent / "tune.md").read_text()
+    try:  # (matplotlib is the bench extra's, not a dependency: without it the run says so instead)
+        import matplotlib  # noqa: F401
+        assert (out.parent / "frontier.png").stat().st_size > 0
+    except ImportError:
+        assert not (out.parent / "frontier.png").exists() and "matplotlib is not installed" in said
     assert "verdict: no time was left" in said and rc == 1  # not measured fresh: not known to meet the targets
