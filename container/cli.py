@@ -54,6 +54,22 @@ def _resolve(args) -> cfgmod.ResolvedConfig:
     return resolved
 
 
+def has_startup_model(resolved: cfgmod.ResolvedConfig, model_dir: str | None) -> bool:
+    """Whether the server starts with a model: always, except in SageMaker's multi-model mode with no
+    option.model_id and a model dir holding neither config.json nor model.py (models come by POST /models)."""
+    if not resolved["multi_model"] or resolved["option.model_id"]:
+        return True
+    return bool(model_dir) and any(os.path.isfile(os.path.join(model_dir, f)) for f in ("config.json", "model.py"))
+
+
+def container_settings(resolved: cfgmod.ResolvedConfig, server, download_dir: str, **startup):
+    from container.launcher import Container
+
+    return Container(server, multi_model=resolved["multi_model"], url_pattern=resolved["model_url_pattern"],
+                     allow_custom_code=resolved["allow_custom_code"],
+                     max_models_memory=resolved["option.max_models_memory"], download_dir=download_dir, **startup)
+
+
 def cmd_serve(args) -> int:
     from container.launcher import Launcher
 
@@ -62,6 +78,11 @@ def cmd_serve(args) -> int:
     resolved = _resolve(args)
     configuring = time.perf_counter() - started
     download_dir = resolved["download_dir"] or cfgmod.default_download_dir(os.environ)
+    if not has_startup_model(resolved, args.model_dir):
+        server = cfgmod.server_config(resolved, "", cfgmod.resolve_port(args.port, os.environ))
+        log.info("multi-model mode: no model yet; models registered through POST /models must match "
+                 "model_url_pattern=%s", resolved["model_url_pattern"])
+        return Launcher(None, host=args.host, container=container_settings(resolved, server, download_dir)).run()
     with TIMELINE.phase("model_resolve"):
         local_dir = resolve_model(resolved["option.model_id"], args.model_dir, revision=resolved["option.revision"],
                                   download_dir=download_dir)
@@ -82,7 +103,18 @@ def cmd_serve(args) -> int:
     if problem:
         log.error("lmi-serve did not start: %s", problem)
         return 2
-    return Launcher(config, host=args.host).run()
+    from container.registration import need_bytes
+
+    need = need_bytes(config, resolved, spec, _device_bytes(cfgmod.count_gpus(os.environ)))
+    log.info("model %s: %s", config.server.served_model_name, local_dir)
+    return Launcher(config, host=args.host, container=container_settings(
+        resolved, config.server, download_dir, startup_url=resolved["option.model_id"] or local_dir,
+        startup_need_bytes=need)).run()
+
+
+def _device_bytes(num_gpus: int) -> int:
+    mib = cfgmod.query_gpus("memory.total") if num_gpus else None
+    return min(int(v) for v in mib[:num_gpus]) * 2**20 if mib else 0
 
 
 def _check_plan(resolved: cfgmod.ResolvedConfig, config, spec) -> str | None:

@@ -171,6 +171,22 @@ KEYS: tuple[Key, ...] = (
     Key("drain_timeout", integer(0), 20,
         "seconds in-flight requests may take to finish after SIGTERM; then they are aborted with 503"),
     Key("download_dir", text, None, "where s3:// models are cached (default ~/.cache/lmi-serve/download)"),
+    # several models behind one server (docs/multi-model.md)
+    Key("multi_model", boolean, False,
+        "SageMaker's multi-model mode (SAGEMAKER_MULTI_MODEL=true): start with the models of the model dir, if any, "
+        "and serve those registered at run time through POST /models; a model's crash restarts it alone"),
+    Key("model_url_pattern", text, r"^(file://)?/opt/ml/models?/",
+        "the models POST /models may register: a regex their url must match (default: the local model store "
+        "SageMaker mounts, nothing remote); `.*` allows any local dir, s3:// prefix or hub id"),
+    Key("allow_custom_code", boolean, False,
+        "whether a model registered at run time may run its own code (a model.py, option.entryPoint, "
+        "option.trust_remote_code); refused at registration otherwise"),
+    Key("option.max_models_memory", memory_amount, None,
+        "the memory the models loaded at once may need (bytes, or a fraction of the machine's: GPU memory, else "
+        "available RAM), as lmi plan's memory model counts them; a model that needs more room unloads the least "
+        "recently used idle ones (they load again on their next request). Unset: the whole machine"),
+    Key("required_memory_mb", integer(1), None,
+        "DJL's: the MiB one copy of this model needs, instead of lmi plan's estimate (for the multi-model budget)"),
     # engine keys
     Key("option.model_id", text, None, "local dir, s3://bucket/prefix/ or hub id (default: the model dir)"),
     Key("option.revision", text, None, "hub revision (branch, tag or commit)"),
@@ -312,7 +328,7 @@ KEYS: tuple[Key, ...] = (
 ACCEPTED_UNUSED = frozenset({
     "option.mpi_mode", "option.task", "option.device_map",
     "option.enable_streaming", "option.low_cpu_mem_usage", "option.disable_flash_attn",
-    "max_idle_time", "load_on_devices", "option.parallel_loading", "option.load_format",
+    "max_idle_time", "load_on_devices", "reserved_memory_mb", "option.parallel_loading", "option.load_format",
 })
 
 KEYS_BY_NAME = {k.name: k for k in KEYS}

@@ -4,7 +4,10 @@
              └─► gunicorn    handlers.app:create_app(D), threaded workers
     cannot start           → preflight (model files, tokenizer, weights, mpirun, port): one line, exit 2
     engine dies            → stop gunicorn, exit non-zero; with several model copies (maxWorkers), a copy
-                             that dies after it served is restarted and the others go on
+                             that dies after it served is restarted and the others go on; with several
+                             models (docs/multi-model.md) a model that dies after it served is restarted
+    POST /models ...       → the HTTP workers ask over run_dir/control.sock; container/registry.py loads,
+                             unloads and places models, and publishes run_dir/models.json
     gunicorn dies          → stop the engine, exit non-zero
     SIGTERM / SIGINT       → drain: the workers answer 503 to new requests (and /ping), requests in
                              flight get drain_timeout seconds to finish and are then aborted with a
@@ -28,52 +31,28 @@ import tempfile
 import threading
 import time
 
-from container.preflight import first_problem
-from engines.config import LmiConfig
+import msgspec
+from dataclasses import dataclass
+
+from container import registration
+from container.control import ControlServer
+from container.model_group import DEAD_LINGER_S, EngineCopy, engine_command, stop_all  # noqa: F401 (re-exported)
+from container.preflight import check_port, first_problem
+from container.registry import Registry, Settings
+from engines.config import LmiConfig, ServerConfig
+from engines.process.models import ModelCommand, ModelReply
+from engines.process.rundir import draining_path, engine_socket_path, read_failure, write_atomically
 from engines.process.startup import TIMELINE, startup_path
-from engines.process.rundir import (CORES_ENV, DIST_PORT, copy_dirs, draining_path, engine_socket_path, failure_path,
-                                    read_failure, ready_path, write_atomically, write_failure)
 
 log = logging.getLogger("container.launcher")
 
 POLL_S = 0.2
 DRAIN_POLL_S = 0.05  # a drain with nothing in flight ends after two idle polls: 0.1 s
 STOP_GRACE_S = 10.0
-DEAD_LINGER_S = 1.5  # after the engine died: /ping says 503 and in-flight requests get 424, then exit
 
 
-def engine_command(config: LmiConfig, run_dir: str) -> list[str]:
-    cmd = [sys.executable, "-m", "engines.process.serve", "--run-dir", run_dir]
-    par = config.parallel
-    if par.use_mpi and par.ranks > 1:  # one rank needs no mpirun
-        n = str(par.ranks)
-        hosts: list[str] = []
-        if par.hostfile:  # multi-node: the ranks over the hostfile's hosts, over TCP (docs/multinode.md)
-            hosts = ["--hostfile", par.hostfile, "--mca", "orte_keep_fqdn_hostnames", "t",
-                     *[a for var in ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "HOME", "MASTER_ADDR", "MASTER_PORT")
-                       for a in ("-x", var)]]
-        if par.rsh_agent:
-            hosts += ["--mca", "plm_rsh_agent", par.rsh_agent]
-        if par.network:
-            hosts += ["--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", par.network,
-                      "--mca", "oob_tcp_if_include", par.network]
-        cmd = ["mpirun", "--allow-run-as-root", "--bind-to", "none", *hosts, "-np", n, *cmd]
-    return cmd
-
-
-def first_host(hostfile: str) -> str:
-    """An Open MPI hostfile's first host (where rank 0 runs)."""
-    with open(hostfile, encoding="utf-8") as f:
-        for line in f:
-            words = line.split("#", 1)[0].split()
-            if words:
-                return words[0]
-    raise ValueError(f"option.mpi_hostfile={hostfile} lists no host")
-
-
-def gunicorn_command(config: LmiConfig, run_dir: str, host: str) -> list[str]:
+def gunicorn_command(server: ServerConfig, run_dir: str, host: str) -> list[str]:
     conf = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gunicorn_conf.py")
-    server = config.server
     return [sys.executable, "-m", "gunicorn", "-c", conf, "--bind", f"{host}:{server.port}",
             "--workers", str(server.http_workers), "--threads", str(server.http_threads),
             "--graceful-timeout", str(int(server.drain_timeout_s + STOP_GRACE_S)),
@@ -83,9 +62,24 @@ def gunicorn_command(config: LmiConfig, run_dir: str, host: str) -> list[str]:
 MALLOC_ARENA_MAX = "2"
 
 
+@dataclass(frozen=True)
+class Container:
+    """What the server as a whole runs with, beside its models (docs/multi-model.md)."""
+    server: ServerConfig  # the port, HTTP workers, body limits, drain (the startup model's, else the defaults')
+    multi_model: bool = False
+    url_pattern: str = r"^(file://)?/opt/ml/models?/"
+    allow_custom_code: bool = False
+    max_models_memory: str | None = None
+    download_dir: str = ""
+    startup_url: str = ""  # where the model it started with came from
+    startup_need_bytes: int = 0
+
+
 class Launcher:
-    def __init__(self, config: LmiConfig, *, host: str = "0.0.0.0", env: dict[str, str] | None = None):
-        self.config = config
+    def __init__(self, config: LmiConfig | None, *, host: str = "0.0.0.0", env: dict[str, str] | None = None,
+                 container: Container | None = None):
+        self.config = config  # the model the server starts with (None: SageMaker multi-model mode, no model yet)
+        self.container = container or Container(config.server)
         self.host = host
         self.env = dict(env if env is not None else os.environ, PYTHONUNBUFFERED="1")
         # glibc gives each busy thread its own malloc arena (up to 8 per core), each keeping its own
@@ -95,35 +89,82 @@ class Launcher:
         self._stopping = False
         self._signalled = threading.Event()  # wakes the supervision loop's wait at once on SIGTERM / SIGINT
         self.ready = False
+        self.started = time.monotonic()
         self.failure: str | None = None  # why the server stopped, when something failed
+        self.registry: Registry | None = None
 
     def run(self) -> int:
-        problem = first_problem(self.config, self.host, self.env)
+        problem = first_problem(self.config, self.host, self.env) if self.config else \
+            check_port(self.host, self.container.server.port)
         if problem:
             log.error("lmi-serve did not start: %s", problem)
             shutil.rmtree(self.run_dir, ignore_errors=True)
             return 2
-        copies = [EngineCopy(i, d, self.config) for i, d in enumerate(copy_dirs(self.run_dir,
-                                                                               self.config.parallel.copies))]
-        for directory in {self.run_dir, *(c.dir for c in copies)}:
-            os.makedirs(directory, exist_ok=True)
-            with open(os.path.join(directory, "config.json"), "wb") as f:
-                f.write(self.config.to_json())
-            TIMELINE.write(startup_path(directory))  # the launcher's phases, for the engine to carry on
+        self.registry = registry = Registry(self.run_dir, self._settings(), self._spawn, self.env)
+        with open(os.path.join(self.run_dir, "server.json"), "wb") as f:
+            f.write(msgspec.json.encode(self.container.server))
+        group = None
+        if self.config is not None:
+            group = registry.add_startup(self.config.server.served_model_name, self.container.startup_url or
+                                         self.config.model.local_dir, self.config, self.container.startup_need_bytes)
+            for directory in {self.run_dir, *(c.dir for c in group.copies)}:
+                TIMELINE.write(startup_path(directory))  # the launcher's phases, for the engine to carry on
+        registry.publish()
+        control = ControlServer(self.run_dir, self._command)
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
-        for c in copies:
-            c.proc = self._spawn("engine" if len(copies) == 1 else f"engine copy {c.index}", c.command(),
-                                 c.environment(self.env))
-        http = self._spawn("gunicorn", gunicorn_command(self.config, self.run_dir, self.host))
+        if group is not None:
+            group.start(self._spawn, self.env)
+        http = self._spawn("gunicorn", gunicorn_command(self.container.server, self.run_dir, self.host))
         try:
-            return self._supervise(copies, http)
+            return self._supervise(http)
         finally:
-            for proc in (http, *(c.proc for c in copies)):
-                _stop_all([proc], STOP_GRACE_S)
+            control.close()
+            stop_all([http], STOP_GRACE_S)
+            registry.stop_all(STOP_GRACE_S)
             shutil.rmtree(self.run_dir, ignore_errors=True)
             if self.failure:  # the last line of the log: after the children's own last words
                 log.error("lmi-serve %s: %s", "stopped" if self.ready else "did not start", self.failure)
+
+    def _settings(self) -> Settings:
+        from container.placement import count_gpus, query_gpus
+        from engines.config import memory_bytes
+        from engines.weights.memory_plan import available_ram
+
+        num_gpus = count_gpus(self.env)
+        mib = [int(v) for v in (query_gpus("memory.total") or [])[:num_gpus]] if num_gpus else []
+        device_bytes = min(mib) * 2**20 if mib else 0
+        machine = num_gpus * device_bytes if num_gpus else available_ram()
+        spec = self.container.max_models_memory
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        visible = [d.strip() for d in self.env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        return Settings(budget_bytes=memory_bytes(spec, machine) if spec else machine, device_bytes=device_bytes,
+                        num_gpus=num_gpus, cores=tuple(cores), multi_model=self.container.multi_model,
+                        gpu_ids=tuple(visible or (str(i) for i in range(num_gpus))))
+
+    def _command(self, cmd: ModelCommand) -> ModelReply:
+        """A management call from an HTTP worker (container/control.py runs each in a thread)."""
+        registry, c = self.registry, self.container
+        if self._stopping:
+            return ModelReply(503, "the server is shutting down")
+        if cmd.op == "register":
+            name = registration.check_name(cmd.name or registration.name_of(cmd.url))
+            if name in registry.entries:
+                return ModelReply(409, f"Model {name} is already registered.")
+            s = registry.settings
+            reg = registration.register(name, cmd.url, dict(cmd.options), url_pattern=c.url_pattern,
+                                        allow_custom_code=c.allow_custom_code, download_dir=c.download_dir,
+                                        num_gpus=s.num_gpus, num_cpus=len(s.cores), port=c.server.port,
+                                        device_bytes=s.device_bytes)
+            return ModelReply(*registry.register(reg, cmd.synchronous))
+        if cmd.op == "unregister":
+            return ModelReply(200, registry.unregister(cmd.name))
+        if cmd.op == "load":
+            registry.load(cmd.name)
+            return ModelReply(200, {})
+        if cmd.op == "scale":
+            return ModelReply(200, registry.scale(cmd.name, int(cmd.options["copies"])))
+        return ModelReply(400, f"unknown management command {cmd.op!r}")
 
     def _on_signal(self, signum, _frame) -> None:
         if not self._stopping:
@@ -135,82 +176,53 @@ class Launcher:
         log.info("starting %s: %s", name, " ".join(cmd))
         return subprocess.Popen(cmd, env=env or self.env, start_new_session=True)
 
-    def _supervise(self, copies: list["EngineCopy"], http: subprocess.Popen) -> int:
-        """One copy: its death stops the server (SageMaker replaces the container). Several: a copy that
-        dies after it served is restarted while the others go on; one that never got ready stops the server."""
+    def _supervise(self, http: subprocess.Popen) -> int:
+        """One model: its death stops the server (SageMaker replaces the container), and so does a copy that
+        never got ready; several copies or several models: one that dies after it served is restarted."""
+        registry = self.registry
         while True:
             if self._stopping:
-                return self._drain(copies, http)
-            for c in copies:
-                if c.restart_at is not None:
-                    if time.monotonic() >= c.restart_at:
-                        c.clear()
-                        c.proc = self._spawn(f"engine copy {c.index} again", c.command(), c.environment(self.env))
-                    continue
-                if c.proc.poll() is None and c.ready and read_failure(c.dir, "engine") is not None:
-                    # the engine said it is dead and its group lingers: mpirun can hang aborting a job
-                    # with a rank it cannot reach (tests/test_multinode.py saw it): end the group
-                    c.failed_at = c.failed_at or time.monotonic()
-                    if time.monotonic() - c.failed_at > DEAD_LINGER_S:
-                        log.error("the engine reported a failure and its process group did not exit: killing it")
-                        _signal_group(c.proc, signal.SIGKILL)
-                        c.proc.wait()
-                if c.proc.poll() is not None:
-                    c.ready = c.ready or os.path.exists(ready_path(c.dir))
-                    reason = read_failure(c.dir, "engine") or f"the engine exited with code {c.proc.returncode}"
-                    if len(copies) == 1 or not c.ready:
-                        self.ready = self.ready or c.ready
-                        self.failure = reason if len(copies) == 1 else f"model copy {c.index}: {reason}"
-                        log.error("%s: stopping the server", self.failure)
-                        self._mark_dead(copies, self.failure)
-                        return c.proc.returncode or 1
-                    log.error("model copy %d died (%s): restarting it; the other copies go on serving", c.index,
-                              reason)
-                    if read_failure(c.dir, "engine") is None:  # its HTTP requests fail with 424 now
-                        write_failure(c.dir, "engine", reason)
-                    c.restarts += 1
-                    c.ready, c.restart_at = False, time.monotonic() + DEAD_LINGER_S
-                elif not c.ready:
-                    c.ready = self._check_loading(c)
-                    if self.failure:
-                        return 1
+                return self._drain(http)
+            reason = registry.check()
+            if reason:
+                startup = registry.entries[self.config.server.served_model_name].group
+                self.ready = self.ready or any(c.ready for c in startup.copies)
+                self.failure = reason
+                log.error("%s: stopping the server", reason)
+                startup.mark_dead(reason)
+                time.sleep(DEAD_LINGER_S)
+                return next((p.returncode for p in startup.procs if p.poll()), 1)
+            self._log_ready()
             if http.poll() is not None:
                 self.failure = read_failure(self.run_dir, "http") or f"gunicorn exited with code {http.returncode}"
                 log.error("%s: stopping the engine", self.failure)
                 return http.returncode or 1
             self._signalled.wait(POLL_S)
 
-    def _check_loading(self, c: "EngineCopy") -> bool:
-        if os.path.exists(ready_path(c.dir)):
-            if not self.ready:
-                port = self.config.server.port
-                log.info("engine ready after %.1f s; try:\n  curl -s http://localhost:%d/invocations "
-                         "-H 'Content-Type: application/json' "
-                         "-d '{\"inputs\": \"The river ran\", \"parameters\": {\"max_new_tokens\": 20}}'",
-                         time.monotonic() - c.started, port)
-            elif c.restarts:
-                log.info("model copy %d is back after %.1f s", c.index, time.monotonic() - c.started)
-            self.ready = True
-            return True
-        limit = self.config.server.model_loading_timeout_s
-        if time.monotonic() - c.started > limit:
-            self.failure = f"the engine was not ready within option.model_loading_timeout={limit:.0f} s"
-        return False
+    def _log_ready(self) -> None:
+        if self.ready:
+            return
+        group = self.registry.entries[self.config.server.served_model_name].group if self.config else None
+        if group is not None and not any(c.ready for c in group.copies):
+            return
+        self.ready = True
+        port = self.container.server.port
+        if group is None:
+            log.info("serving no model yet (multi-model mode): register one with\n  curl -s -X POST "
+                     "'http://localhost:%d/models?model_name=NAME&url=/opt/ml/models/NAME/model'", port)
+            return
+        log.info("engine ready after %.1f s; try:\n  curl -s http://localhost:%d/invocations "
+                 "-H 'Content-Type: application/json' "
+                 "-d '{\"inputs\": \"The river ran\", \"parameters\": {\"max_new_tokens\": 20}}'",
+                 time.monotonic() - self.started, port)
 
-    def _mark_dead(self, copies: list["EngineCopy"], reason: str) -> None:
-        """Tell the HTTP workers (503 on /ping, 424 for requests in flight) before they go down,
-        unless the engine has said so itself."""
-        for c in copies:
-            if read_failure(c.dir, "engine") is None:
-                write_failure(c.dir, "engine", reason)
-        time.sleep(DEAD_LINGER_S)
-
-    def _drain(self, copies: list["EngineCopy"], http: subprocess.Popen) -> int:
+    def _drain(self, http: subprocess.Popen) -> int:
         """New requests get 503 from now on; those in flight finish, or are aborted at the deadline."""
         from handlers.engine_client import EngineClient
 
+        copies = [c for g in self.registry.groups() for c in g.copies if c.proc is not None]
         probes = [EngineClient(engine_socket_path(c.dir)) for c in copies]
-        budget = self.config.server.drain_timeout_s
+        budget = self.container.server.drain_timeout_s
         deadline = time.time() + budget
         write_atomically(draining_path(self.run_dir), repr(deadline))
         log.info("draining: new requests get 503; requests in flight have %g s to finish", budget)
@@ -225,77 +237,10 @@ class Launcher:
         # gunicorn lets the responses still being written finish; a request still running at the
         # deadline is aborted by its worker with a 503, so the engines stop after it. Drained with
         # nothing in flight, nothing needs an engine any more: every process stops at once.
-        if idle_in_a_row >= 2:
-            _stop_all([http] + [c.proc for c in copies], STOP_GRACE_S)
+        if idle_in_a_row >= 2 or not copies:
+            stop_all([http] + [c.proc for c in copies], STOP_GRACE_S)
         else:
-            _stop_all([http], max(deadline - time.time(), 0) + STOP_GRACE_S)
-            _stop_all([c.proc for c in copies], STOP_GRACE_S)
+            stop_all([http], max(deadline - time.time(), 0) + STOP_GRACE_S)
+            stop_all([c.proc for c in copies], STOP_GRACE_S)
         log.info("stopped")
         return 0
-
-
-class EngineCopy:
-    """One model copy's engine group: its directory, its devices or cores, its process."""
-
-    def __init__(self, index: int, directory: str, config: LmiConfig):
-        self.index = index
-        self.dir = directory
-        self.config = config
-        self.proc: subprocess.Popen | None = None
-        self.ready = False
-        self.started = time.monotonic()
-        self.restarts = 0
-        self.restart_at: float | None = None
-        self.failed_at: float | None = None  # when its failure file appeared while its process lived on
-
-    def command(self) -> list[str]:
-        self.started = time.monotonic()
-        return engine_command(self.config, self.dir)
-
-    def environment(self, base: dict[str, str]) -> dict[str, str]:
-        """Its GPUs (CUDA_VISIBLE_DEVICES) or cores (LMI_CPU_CORES, engines/process/serve.py pins to them), and
-        torch.distributed's rendezvous (GPU ranks): a port of its own (MASTER_PORT + copy index) on rank 0's
-        host (with a hostfile its first host, the leader)."""
-        env = dict(base)
-        par = self.config.parallel
-        env["MASTER_PORT"] = str(int(base.get("MASTER_PORT") or DIST_PORT) + self.index)
-        if par.hostfile:
-            env["MASTER_ADDR"] = first_host(par.hostfile)
-        if par.copy_devices:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(par.copy_devices[self.index])
-        if par.copy_cores:
-            env[CORES_ENV] = ",".join(str(c) for c in par.copy_cores[self.index])
-            env["OMP_NUM_THREADS"] = str(max(1, len(par.copy_cores[self.index]) // par.ranks))
-        return env
-
-    def clear(self) -> None:
-        """Before a restart: the last life's ready and failure files go."""
-        for path in (ready_path(self.dir), failure_path(self.dir, "engine")):
-            try:
-                os.remove(path)
-            except FileNotFoundError:
-                pass
-        self.restart_at = self.failed_at = None
-
-
-def _stop_all(procs: list[subprocess.Popen], grace: float) -> None:
-    """SIGTERM to every child's session at once, then each waited for, at most `grace` seconds in all,
-    then killed with its session's leftovers (ranks, workers)."""
-    for proc in procs:
-        if proc.poll() is None:
-            _signal_group(proc, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(deadline - time.monotonic(), 0))
-        except subprocess.TimeoutExpired:
-            log.warning("pid %d did not stop in %.0f s: killing it", proc.pid, grace)
-        _signal_group(proc, signal.SIGKILL)  # leftovers of the session (ranks, workers)
-        proc.wait()
-
-
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass

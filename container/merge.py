@@ -34,6 +34,7 @@ ENV_ALIASES = (
     ("DJL_ENTRY_POINT", "option.entryPoint"),  # DJL's, below OPTION_ENTRYPOINT
     ("SAGEMAKER_NUM_MODEL_WORKERS", "maxWorkers"),
     ("SAGEMAKER_MAX_REQUEST_SIZE", "max_request_size"),
+    ("SAGEMAKER_MULTI_MODEL", "multi_model"),
 )
 _UPPER = re.compile(r"^[A-Z0-9_]+$")
 

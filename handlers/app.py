@@ -1,6 +1,7 @@
 """The Flask app each gunicorn worker runs: the route families as Blueprints (handlers/routes/: LMI's
-/ping, /metrics and /invocations; OpenAI's /v1; TGI's; LoRA adapter management) on one `Service`
-(handlers/service.py), which holds the engine client, the tokenizer and the one generation path.
+/ping, /metrics and /invocations; OpenAI's /v1; TGI's; LoRA adapter management; model management)
+on a `Service` per model (handlers/service.py: the engine client, the tokenizer and the one
+generation path), which handlers/models.py keeps in step with the models the launcher serves.
 
 Workers are thin: validate, tokenize, send token ids to the engine, wait, detokenize, format.
 Request ids are the server's (a uuid per request, one per input to the engine); a client's
@@ -21,18 +22,15 @@ import uuid
 from flask import Flask, Response, g, request
 from werkzeug.exceptions import HTTPException
 
-from engines.config import LmiConfig
-from engines.process.ipc import high_water_mark
-from engines.process.rundir import engine_socket_path, write_failure
-from handlers import custom
-from handlers.chat_template import ChatTemplate
-from handlers.engine_client import EngineClient
-from handlers.engine_pool import EnginePool
+import msgspec
+
+from engines.config import ServerConfig
+from engines.process.rundir import write_failure
 from handlers.errors import HttpError
+from handlers.models import Models
 from handlers.request_metrics import REQUEST_METRICS
-from handlers.routes import adapters, lmi, openai, tgi
-from handlers.service import Service, current
-from handlers.tokenizer import TextTokenizer
+from handlers.routes import adapters, lmi, management, openai, tgi
+from handlers.service import Service
 
 log = logging.getLogger("handlers.app")
 
@@ -40,29 +38,25 @@ UNCOUNTED_PATHS = ("/ping", "/health", "/metrics")  # not in the request metrics
 
 
 def create_app(run_dir: str) -> Flask:
-    config = LmiConfig.read(os.path.join(run_dir, "config.json"))
+    with open(os.path.join(run_dir, "server.json"), "rb") as f:
+        server = msgspec.json.decode(f.read(), type=ServerConfig)
+    models = Models(server, run_dir)
     try:
-        tokenizer = template = None
-        if config.model.entry_point is None:  # (a custom handler tokenizes for itself, if at all)
-            tokenizer = TextTokenizer(config.model.local_dir)
-            template = ChatTemplate.load(config.model.local_dir, config.server.chat_template)
+        models.loaded()  # the model the server started with: its tokenizer and chat template now
     except Exception as exc:  # the launcher reports this sentence as the reason the server did not start
         write_failure(run_dir, "http", f"the HTTP workers could not load the tokenizer or chat template: {exc}")
         raise
-    sched = config.scheduler
-    hwm = high_water_mark(sched.job_queue_size, sched.max_num_seqs)
-    copies = config.parallel.copies
-    client = EnginePool(run_dir, copies, hwm) if copies > 1 else \
-        EngineClient(engine_socket_path(run_dir), hwm, refresh_health=True)
     REQUEST_METRICS.configure(run_dir)
-    return build_app(Service(config, client, tokenizer, run_dir, template))
+    return build_app(models)
 
 
-def build_app(service: Service) -> Flask:
+def build_app(target: Service | Models) -> Flask:
+    """The app over the launcher's models, or over one Service (tests of the HTTP layer)."""
     app = Flask("lmi-serve")
     app.json.sort_keys = False
-    app.extensions["lmi_service"] = service
-    for family in (lmi, openai, tgi, adapters):
+    app.extensions["lmi_models"] = target if isinstance(target, Models) else \
+        Models(target.config.server, only=target)
+    for family in (lmi, openai, tgi, adapters, management):
         app.register_blueprint(family.routes)
     app.before_request(_begin)
     app.after_request(_tag)
@@ -80,8 +74,6 @@ def _begin():
     g.counted = request.path not in UNCOUNTED_PATHS
     if g.counted:
         REQUEST_METRICS.request_started()
-    if current().handler is not None and not custom.serves(request.path):
-        raise HttpError(404, custom.ROUTE_REFUSAL)
 
 
 def _tag(resp: Response) -> Response:
@@ -94,8 +86,9 @@ def _tag(resp: Response) -> Response:
 
 def _http_error(err: HttpError) -> Response:
     log.info("[%s] %d %s", g.get("log_id"), err.code, err.message)
+    service = g.get("service")
     return err.response(openai=request.path.startswith("/v1/"), tgi=request.path in tgi.TGI_PATHS or (
-        request.path == "/invocations" and current().config.server.tgi_compat))
+        request.path == "/invocations" and service is not None and service.config.server.tgi_compat))
 
 
 def _unexpected(err: Exception) -> Response:

@@ -24,7 +24,8 @@ BODY_KEYS = ("data", "batch_0.data", None)  # the answer's body: its content und
 
 
 def serves(path: str) -> bool:
-    return path in ("/ping", "/health", "/metrics", "/invocations") or path.startswith("/predictions/")
+    return path in ("/ping", "/health", "/metrics", "/invocations") or path.startswith("/predictions/") or \
+        path.startswith("/models/") and path.endswith("/invoke")
 
 
 def call(service, body: bytes) -> Response:

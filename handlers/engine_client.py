@@ -46,8 +46,14 @@ class EngineClient:
         self._dealer = ipc.configure(self._ctx.socket(zmq.DEALER), hwm)
         self._dealer.connect(address)
         self._outbox = ipc.Outbox(self._dealer)
+        self._closed = False
         self._thread = threading.Thread(target=self._loop, name="engine-client", daemon=True)
         self._thread.start()
+
+    def close(self) -> None:
+        """Stop the IO thread and close the sockets (a model unloaded: its client is not needed any more)."""
+        self._closed = True
+        self._thread.join(timeout=2 * ipc.IDLE_POLL_MS / 1000 + 1.0)
 
     # -- request side -------------------------------------------------------------------------
     def add(self, request: Add | AdapterCommand) -> "queue.SimpleQueue[Output]":
@@ -115,7 +121,7 @@ class EngineClient:
         poller.register(self._pull, zmq.POLLIN)
         poller.register(self._dealer, zmq.POLLIN)
         asked_at = 0.0
-        while True:
+        while not self._closed:
             events = dict(poller.poll(self._outbox.poll_timeout_ms()))
             if self._refresh_health and self._should_refresh(asked_at):
                 asked_at = time.monotonic()
@@ -125,6 +131,8 @@ class EngineClient:
             self._outbox.flush()
             if self._dealer in events:
                 ipc.drain(self._dealer, lambda frames: self._route(protocol.decode_from_engine(frames[0])))
+        self._pull.close()
+        self._dealer.close()
 
     def _should_refresh(self, asked_at: float) -> bool:
         """One refresh in flight at a time (a loading or stuck engine is not flooded), retried after 5 s."""

@@ -84,20 +84,22 @@ def _engine_metric(key: str) -> tuple[str, str, bool, str | None, str | None] | 
 
 
 class _EngineCollector:
-    """One engine's reply, or several model copies' (each sample then labelled copy="<i>")."""
+    """One engine's reply, or several model copies' (each sample then labelled copy="<i>"), or several
+    models' (labelled model="<name>", and copy when it has copies): replies are (label values, reply)
+    under `names`."""
 
-    def __init__(self, replies: list[tuple[str | None, HealthReply]], engine_kind: str):
+    def __init__(self, replies: list[tuple[tuple[str, ...], HealthReply]], engine_kind: str | list[str],
+                 names: tuple[str, ...] = ()):
         self.replies = replies
-        self.engine_kind = engine_kind
+        self.kinds = engine_kind if isinstance(engine_kind, list) else [engine_kind] * len(replies)
+        self.names = names
 
     def collect(self):
-        copy = ["copy"] if self.replies and self.replies[0][0] is not None else []
-
         def family(cls, name, doc, labels=()):
-            return cls(name, doc, labels=[*copy, *labels])
+            return cls(name, doc, labels=[*self.names, *labels])
 
         def key(label):
-            return [label] if label is not None else []
+            return list(label)
 
         up = family(GaugeMetricFamily, "lmi_engine_ready", "1 when the engine is ready", ["engine", "state"])
         plain = {"lmi_requests_waiting": (GaugeMetricFamily, "requests waiting for admission", "num_waiting"),
@@ -109,8 +111,8 @@ class _EngineCollector:
         phases = family(GaugeMetricFamily, "lmi_startup_phase_seconds", "seconds each start-up phase took (ready: "
                         "the whole cold start)", ["phase"])
         engine: dict[str, object] = {}
-        for label, r in self.replies:
-            up.add_metric([*key(label), self.engine_kind, r.state], 1.0 if r.state == "ready" else 0.0)
+        for (label, r), engine_kind in zip(self.replies, self.kinds):
+            up.add_metric([*key(label), engine_kind, r.state], 1.0 if r.state == "ready" else 0.0)
             for name, (_, _, field) in plain.items():
                 families[name].add_metric(key(label), getattr(r, field))
             for phase, seconds in r.startup.items():
@@ -126,8 +128,8 @@ class _EngineCollector:
         yield up
         yield from families.values()
         yield phases
-        for _, r in self.replies[:1]:  # (LoRA runs with one copy)
-            yield from _adapter_families(r.adapters)
+        for _, r in self.replies[:1]:  # (LoRA runs with one copy, and one model of several does not label them)
+            yield from _adapter_families(r.adapters) if "model" not in self.names else ()
         yield from engine.values()
 
 
@@ -165,9 +167,55 @@ def render(reply: HealthReply | list[HealthReply | None], engine_kind: str, requ
     """The engine's metrics (several model copies' replies: labelled by copy, a copy that does not answer
     left out), then (when given) the HTTP workers' request metrics."""
     registry = CollectorRegistry()
-    replies = [(str(i), r) for i, r in enumerate(reply) if r is not None] if isinstance(reply, list) else \
-        [(None, reply)]
-    registry.register(_EngineCollector(replies, engine_kind))
+    replies = [((str(i),), r) for i, r in enumerate(reply) if r is not None] if isinstance(reply, list) else \
+        [((), reply)]
+    registry.register(_EngineCollector(replies, engine_kind, ("copy",) if isinstance(reply, list) else ()))
     if request_families is not None:
         registry.register(_Families(request_families))
     return generate_latest(registry)
+
+
+# model registry counters and gauges (docs/multi-model.md): (name, help, is a counter, its ModelRecord field)
+MODEL_METRICS = (
+    ("lmi_model_loads", "times the model was loaded", True, "loads"),
+    ("lmi_model_unloads", "times the model was unloaded while registered (to make room, or to scale)", True,
+     "unloads"),
+    ("lmi_model_evictions", "times the model was unloaded to make room for another", True, "evictions"),
+    ("lmi_model_memory_bytes", "what the memory budget counts for the model while it is loaded", False, None),
+)
+
+
+def render_models(table, replies: list[tuple[str, HealthReply | list[HealthReply | None] | None]],
+                  request_families=None) -> bytes:
+    """Several models (or SageMaker's multi-model mode): every engine sample labelled model="<name>"
+    (and copy="<i>" for a model with copies; one that does not answer left out), the registry's
+    counters per model, the budget, then the HTTP workers' request metrics."""
+    registry = CollectorRegistry()
+    kinds = {m.name: m.engine_kind for m in table.models}
+    rows, row_kinds = [], []
+    has_copies = any(isinstance(r, list) for _, r in replies)
+    for name, reply in replies:
+        for i, r in (enumerate(reply) if isinstance(reply, list) else [(0, reply)]):
+            if r is not None:
+                rows.append(((name, str(i)) if has_copies else (name,), r))
+                row_kinds.append(kinds.get(name, ""))
+    registry.register(_EngineCollector(rows, row_kinds, ("model", "copy") if has_copies else ("model",)))
+    registry.register(_Families(lambda: _model_families(table)))
+    if request_families is not None:
+        registry.register(_Families(request_families))
+    return generate_latest(registry)
+
+
+def _model_families(table):
+    state = GaugeMetricFamily("lmi_model_state", "1 for the model's state (loading, ready, unloading, unloaded, "
+                              "failed)", labels=["model", "state"])
+    for m in table.models:
+        state.add_metric([m.name, m.state], 1.0)
+    yield state
+    for name, doc, is_counter, field in MODEL_METRICS:
+        family = (CounterMetricFamily if is_counter else GaugeMetricFamily)(name, doc, labels=["model"])
+        for m in table.models:
+            family.add_metric([m.name], float(getattr(m, field) if field else m.need_bytes if m.dir else 0))
+        yield family
+    yield GaugeMetricFamily("lmi_models_memory_budget_bytes", "the memory budget of the models loaded at once",
+                            value=float(table.budget_bytes))

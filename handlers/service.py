@@ -20,7 +20,7 @@ from dataclasses import replace
 from typing import Callable, Iterator
 
 import msgspec
-from flask import Response, current_app, g, request
+from flask import Response, g, request
 
 from engines.config import ENGINE_DYNAMIC, ENGINE_PAGED, LmiConfig
 from engines.process.rundir import draining_path, read_failure
@@ -56,11 +56,12 @@ class Service:
     """What the routes share in one worker process."""
 
     def __init__(self, config: LmiConfig, client: EngineClient, tokenizer: TextTokenizer,
-                 run_dir: str | None = None, chat_template: ChatTemplate | None = None):
+                 run_dir: str | None = None, chat_template: ChatTemplate | None = None, drain_dir: str | None = None):
         self.config = config
         self.chat_template = chat_template
         self.started_at = time.time()
-        self.run_dir = run_dir
+        self.run_dir = run_dir  # the model's (its engine's ready and failure files)
+        self.drain_dir = drain_dir or run_dir  # the server's (the draining file)
         self.client = client
         self.tokenizer = tokenizer
         self.handler = config.model.entry_point  # a custom handler serves /invocations (handlers/custom.py)
@@ -95,9 +96,9 @@ class Service:
 
     def drain_deadline(self) -> float | None:
         """The wall-clock time by which requests must end, once the launcher has begun to drain."""
-        if self._drain_deadline is None and self.run_dir is not None:
+        if self._drain_deadline is None and self.drain_dir is not None:
             try:
-                with open(draining_path(self.run_dir), encoding="utf-8") as f:
+                with open(draining_path(self.drain_dir), encoding="utf-8") as f:
                     self._drain_deadline = float(f.read())
             except (OSError, ValueError):
                 return None
@@ -225,11 +226,6 @@ class Service:
     # -- request bodies -----------------------------------------------------------------------------
     def body(self) -> bytes:
         return read_body(request.environ, request.content_length, self.config.server.max_request_size)
-
-
-def current() -> Service:
-    """The Service of the app handling this request."""
-    return current_app.extensions["lmi_service"]
 
 
 def read_body(environ: dict, content_length: int | None, limit: int) -> bytes:

@@ -101,7 +101,8 @@ def echo_server(tmp_path_factory):
     (model / "model.py").write_text(ECHO)
     wheel = write_wheel(model)
     (model / "requirements.txt").write_text(f"./{wheel.name}\n")
-    yield from running_server(tmp_path_factory.mktemp("echo"), "option.my_greeting=hello\njob_queue_size=8\n", model)
+    yield from running_server(tmp_path_factory.mktemp("echo"), "option.my_greeting=hello\njob_queue_size=8\n"
+                                                                 "option.served_model_name=echo\n", model)
 
 
 def test_the_echo_handler_serves_json_text_codes_and_errors(echo_server):
@@ -112,7 +113,7 @@ def test_the_echo_handler_serves_json_text_codes_and_errors(echo_server):
     assert body == {"echo": {"x": [1, 2]}, "greeting": "hello", "tp": None, "model_dir": body["model_dir"], "dep": 42,
                     "accept": "application/json", "batch": 1}
     assert Path(body["model_dir"]).is_dir()
-    resp = requests.post(echo_server.url + "/predictions/any", data="shout", headers={"Content-Type": "text/plain"},
+    resp = requests.post(echo_server.url + "/predictions/echo", data="shout", headers={"Content-Type": "text/plain"},
                          timeout=30)
     assert resp.status_code == 200 and resp.text == "SHOUT"
     assert echo_server.post({"code": 201}).status_code == 201

@@ -186,10 +186,16 @@ def test_unknown_route_and_method_are_json(server):
 
 
 def test_predictions_route_and_text_plain(server, hf):
-    resp = requests.post(server.url + "/predictions/tiny", data=PROMPTS[0].encode(),
+    resp = requests.post(server.url + "/predictions/tiny-llama", data=PROMPTS[0].encode(),
                          headers={"Content-Type": "text/plain"}, timeout=30)
     assert resp.status_code == 200
     assert resp.json() == [{"generated_text": hf.decode(hf(PROMPTS[0], 30))}]
+    # a model this server does not serve is a 404 naming the one it does (never the served model's text)
+    resp = requests.post(server.url + "/predictions/tiny", data=PROMPTS[0].encode(),
+                         headers={"Content-Type": "text/plain"}, timeout=30)
+    assert resp.status_code == 404
+    assert resp.json() == {"code": 404, "type": "NotFound",
+                           "error": "Model or workflow not found: tiny; this server serves tiny-llama"}
 
 
 @pytest.mark.parametrize("path,body", [

@@ -25,23 +25,18 @@ from flask import Blueprint, Response, request
 from engines.protocol import ADAPTER_REGISTER, ADAPTER_UNREGISTER, AdapterCommand
 from engines.weights.artifacts import ArtifactError, resolve_model
 from handlers.errors import HttpError, bad_request
-from handlers.service import Service, current, json_response
+from handlers.models import current, pick
+from handlers.service import Service, json_response
 
 REGISTER_TIMEOUT_S = 120.0  # reading an adapter on every rank
 
 routes = Blueprint("adapters", __name__)
 
 
-def _model(service: Service, model: str | None) -> None:
-    if model is not None and model != service.model_name:
-        raise HttpError(404, f"Model or workflow not found: {model}")
-
-
 @routes.post("/adapters")
 @routes.post("/models/<model>/adapters")
 def djl_register(model: str | None = None):
-    service = current()
-    _model(service, model)
+    service = pick(model) if model else current()
     args = dict(request.args)
     if request.is_json and request.content_length:
         body = _json_body(service.body())
@@ -68,16 +63,14 @@ def djl_register(model: str | None = None):
 @routes.get("/adapters")
 @routes.get("/models/<model>/adapters")
 def djl_list(model: str | None = None):
-    service = current()
-    _model(service, model)
+    service = pick(model) if model else current()
     return json_response({"adapters": [msgspec.structs.asdict(a) for a in service.adapter_infos(fresh=True)]}, 200)
 
 
 @routes.get("/adapters/<path:name>")
 @routes.get("/models/<model>/adapters/<path:name>")
 def djl_describe(name: str, model: str | None = None):
-    service = current()
-    _model(service, model)
+    service = pick(model) if model else current()
     for info in service.adapter_infos(fresh=True):
         if info.name == name:
             return json_response(msgspec.structs.asdict(info), 200)
@@ -87,8 +80,7 @@ def djl_describe(name: str, model: str | None = None):
 @routes.delete("/adapters/<path:name>")
 @routes.delete("/models/<model>/adapters/<path:name>")
 def djl_unregister(name: str, model: str | None = None):
-    service = current()
-    _model(service, model)
+    service = pick(model) if model else current()
     status, message = _unregister(service, name)
     if status not in (200, 202):
         raise HttpError(status, message)

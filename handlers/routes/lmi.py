@@ -4,20 +4,24 @@ the body has `"messages"`; TGI's answers under option.tgi_compat)."""
 
 from __future__ import annotations
 
+import json
+
 from flask import Blueprint, Response, g, request
 
+from engines.process.models import READY
 from engines.protocol import STATE_READY
 from handlers import custom
 from handlers.engine_pool import EnginePool
 from handlers.errors import bad_request
 from handlers.formatters import JSONLINES, SSE, response_body, stream_lines
-from handlers.metrics import render as render_metrics
+from handlers.metrics import render as render_metrics, render_models
+from handlers.models import current, invocation_model, models, pick
 from handlers.refusals import refuse_on_dynamic
 from handlers.request_metrics import REQUEST_METRICS
 from handlers.routes.openai import djl_chat
 from handlers.routes.tgi import compat_generate
 from handlers.schemas import parse_body, parse_request
-from handlers.service import (PING_SNAPSHOT_AGE_S, PING_TIMEOUT_S, current, json_response, log, parse_or_400,
+from handlers.service import (PING_SNAPSHOT_AGE_S, PING_TIMEOUT_S, json_response, log, parse_or_400,
                               warn_ignored)
 from handlers.errors import HttpError
 
@@ -27,7 +31,22 @@ routes = Blueprint("lmi", __name__)
 @routes.get("/ping")
 @routes.get("/health")
 def ping():
-    service = current()
+    table = models().table()
+    if not table.multi and len(table.models) == 1:
+        return _ping_one(current())
+    draining = models().is_draining()
+    states = {m.name: {"status": "Healthy" if m.state == READY else m.state.upper(), "engine_kind": m.engine_kind,
+                       **({"detail": m.detail} if m.detail else {})} for m in table.models}
+    for record, service in models().loaded():  # a loaded model's engine may have died since
+        dead = service.engine_dead()
+        if dead:
+            states[record.name].update(status="Unhealthy", detail=dead)
+    if draining:
+        return json_response({"status": "draining", "models": states}, 503)
+    return json_response({"status": "healthy", "models": states}, 200)
+
+
+def _ping_one(service):
     dead = service.engine_dead()
     if dead:
         service.engine_ready = False
@@ -54,24 +73,43 @@ def ping():
 
 @routes.get("/metrics")
 def metrics():
+    table = models().table()
+    if table.multi or len(table.models) != 1:
+        return Response(render_models(table, [(r.name, _replies(s)) for r, s in models().loaded()],
+                                      REQUEST_METRICS.families), mimetype="text/plain; version=0.0.4")
     service = current()
-    reply = service.client.health(PING_TIMEOUT_S)
+    reply = _replies(service)
     if reply is None:
         raise HttpError(503, "the engine is not responding")
-    if isinstance(service.client, EnginePool):  # each copy's own numbers, labelled
-        reply = service.client.healths(PING_TIMEOUT_S)
     return Response(render_metrics(reply, service.config.scheduler.engine_kind, REQUEST_METRICS.families),
                     mimetype="text/plain; version=0.0.4")
 
 
+def _replies(service):
+    """The engine's health reply, or each copy's (labelled by copy); None when it does not answer."""
+    reply = service.client.health(PING_TIMEOUT_S)
+    if reply is not None and isinstance(service.client, EnginePool):
+        return service.client.healths(PING_TIMEOUT_S)
+    return reply
+
+
 @routes.post("/invocations")
 @routes.post("/predictions/<model_name>")
-def invocations(model_name: str | None = None):
-    service = current()
+@routes.post("/predictions/<model_name>/<version>")
+def invocations(model_name: str | None = None, version: str | None = None):
+    """The model: the path's, else DJL's model_name (query, header), SageMaker's target-model header, or
+    (with several models) the body's model_name; else the one model."""
+    name = model_name or invocation_model()
+    raw = models().body()
+    if name is None and len(models().names) > 1:
+        name = _body_model_name(raw)
+    service = pick(name)
     if service.handler is not None:
         service.require_ready()
-        return custom.call(service, service.body())
-    body = parse_or_400(service.body(), request.content_type, parse_body)
+        return custom.call(service, raw)
+    body = parse_or_400(raw, request.content_type, parse_body)
+    if isinstance(body, dict) and name is not None and body.get("model_name") == name:
+        del body["model_name"]
     if isinstance(body, dict) and "messages" in body:
         return djl_chat(service, body)
     if service.config.server.tgi_compat:
@@ -104,3 +142,13 @@ def invocations(model_name: str | None = None):
         return json_response(bodies if service.is_dynamic or req.is_list else bodies[0], 200)
 
     return service.respond(gens, finish)
+
+
+def _body_model_name(raw: bytes) -> str | None:
+    """DJL's last choice: a JSON body's "model_name"."""
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return None
+    name = body.get("model_name") if isinstance(body, dict) else None
+    return name if isinstance(name, str) and name else None

@@ -18,7 +18,8 @@ from handlers.openai_formatters import CHAT, COMPLETION, response, stream
 from handlers.openai_schemas import OpenAIRequest, parse_chat, parse_completion
 from handlers.refusals import refuse_on_dynamic
 from handlers.schemas import parse_body
-from handlers.service import Service, current, json_response
+from handlers.models import current, models as served, pick
+from handlers.service import Service, json_response
 
 log = logging.getLogger("handlers.openai")
 TGI_CLIENT_MODEL = "tgi"  # what TGI's client sends as the model, always (TGI ignores it): the base model here
@@ -27,19 +28,21 @@ routes = Blueprint("openai", __name__)
 
 
 @routes.get("/v1/models")
-def models():
-    service = current()
-    name, created = service.model_name, int(service.started_at)
-    data = [{"id": name, "object": "model", "created": created, "owned_by": "lmi-serve", "root": name}]
-    data += [{"id": a.name, "object": "model", "created": created, "owned_by": "lmi-serve", "root": a.src,
-              "parent": name} for a in service.adapter_infos(fresh=True)]  # LoRA adapters, as vLLM lists them
+def list_models():
+    data = []
+    for _, service in served().loaded():
+        if service.handler is not None:
+            continue
+        name, created = service.model_name, int(service.started_at)
+        data.append({"id": name, "object": "model", "created": created, "owned_by": "lmi-serve", "root": name})
+        data += [{"id": a.name, "object": "model", "created": created, "owned_by": "lmi-serve", "root": a.src,
+                  "parent": name} for a in service.adapter_infos(fresh=True)]  # LoRA adapters, as vLLM lists them
     return json_response({"object": "list", "data": data}, 200)
 
 
 @routes.post("/v1/chat/completions")
 def chat_completions():
-    service = current()
-    body = _body(service)
+    body, service = _body()
     req = parse_chat(body, default_max_tokens=service.config.server.default_max_new_tokens,
                      limits=service.limits, tool_parser=service.config.server.tool_call_parser)
     return run(service, CHAT, req, render(service, req), sse=True)
@@ -47,8 +50,7 @@ def chat_completions():
 
 @routes.post("/v1/completions")
 def completions():
-    service = current()
-    body = _body(service)
+    body, service = _body()
     req = parse_completion(body, limits=service.limits, vocab_size=service.tokenizer.vocab_size)
     prompts = [(list(ids), service.tokenizer.decode(list(ids))) for ids in req.prompt_ids] or \
               [(service.tokenizer.encode(text), text) for text in req.gen.inputs]
@@ -75,10 +77,22 @@ def best_choices(gens: list, tokens: list[list[dict]], best_of: int, n: int) -> 
     return [gens[k] for k in keep], [tokens[k] for k in keep]
 
 
-def _body(service: Service) -> dict:
-    body = parse_body(service.body(), "application/json")
+def _body() -> tuple[dict, Service]:
+    """The body, and the model it names (`model`: one of the served models, else the one model, whose
+    LoRA adapters it may name; with several models an unknown name is a 404 naming them)."""
+    body = parse_body(served().body(), "application/json")
+    name = body.get("model") if isinstance(body, dict) else None
+    names = served().names
+    if isinstance(name, str) and name in names:
+        service = pick(name)
+    elif len(names) > 1 and name != TGI_CLIENT_MODEL:
+        shown = ", ".join(f"`{n}`" for n in names)
+        raise HttpError(404, f"The model `{name}` does not exist; this server serves {shown}", param="model",
+                        openai_code="model_not_found")
+    else:
+        service = current()
     refuse_on_dynamic(service.is_dynamic, "openai_routes")
-    return body
+    return body, service
 
 
 def render(service: Service, req: OpenAIRequest) -> list[tuple[list[int], str]]:

@@ -20,7 +20,8 @@ from handlers.formatters import SSE
 from handlers.generation import ClientGone, Generation
 from handlers.refusals import refuse_on_dynamic
 from handlers.schemas import GenerationRequest, parse_body, parse_request
-from handlers.service import Service, current, json_response, warn_ignored
+from handlers.models import current, models, pick
+from handlers.service import Service, json_response, warn_ignored
 
 log = logging.getLogger("handlers.tgi")
 
@@ -62,15 +63,25 @@ def info():
 
 
 @routes.post("/generate")
-def generate():
-    service = current()
-    return _generate(service, _request(service, stream=False))
+@routes.post("/models/<model_name>/generate")
+def generate(model_name: str | None = None):
+    service, body = _model(model_name)
+    return _generate(service, _request(service, stream=False, body=body))
 
 
 @routes.post("/generate_stream")
-def generate_stream():
-    service = current()
-    return _generate_stream(service, _request(service, stream=True))
+@routes.post("/models/<model_name>/generate_stream")
+def generate_stream(model_name: str | None = None):
+    service, body = _model(model_name)
+    return _generate_stream(service, _request(service, stream=True, body=body))
+
+
+def _model(name: str | None) -> tuple[Service, object]:
+    """The model: the path's, else the body's top-level "model" (ours: TGI serves one), else the one model."""
+    body = parse_body(models().body(), "application/json")
+    if name is None and isinstance(body, dict) and isinstance(body.get("model"), str):
+        name = body.pop("model")
+    return pick(name), body
 
 
 @routes.post("/")
