@@ -85,5 +85,7 @@ ENV OPTION_LOAD_CACHE_DIR=/home/lmi/.cache/lmi-serve/load-cache \
 
 EXPOSE 8080
 LABEL com.amazonaws.sagemaker.capabilities.accept-bind-to-port=true
+# SageMaker multi-model endpoints (SAGEMAKER_MULTI_MODEL=true): models come through POST /models (docs/multi-model.md)
+LABEL com.amazonaws.sagemaker.capabilities.multi-models=true
 ENTRYPOINT ["/opt/lmi/container/serve"]
 CMD ["serve"]
