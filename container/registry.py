@@ -234,6 +234,7 @@ class Registry:
             shutil.rmtree(directory, ignore_errors=True)
             log.error("model %s: failed to load: %s", entry.name, reason)
             raise Refusal(424, f"model {entry.name} failed to load: {reason}")
+        os.utime(used_path(directory))  # its last use is now: the model a request waits for is not the next to go
         with self._lock:
             entry.state, entry.loads, entry.loaded_at = READY, entry.loads + 1, time.time()
         self.publish()

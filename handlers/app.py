@@ -80,7 +80,9 @@ def _tag(resp: Response) -> Response:
     resp.headers["X-Request-Id"] = g.get("client_request_id") or g.get("request_id", "")
     if g.get("counted"):  # counted when the response is closed: a stream at its end
         route, status = request.url_rule.rule if request.url_rule else "unmatched", resp.status_code
-        resp.call_on_close(lambda: REQUEST_METRICS.request_ended(route, status))
+        service = g.get("service")
+        model = service.model_name if service is not None else ""
+        resp.call_on_close(lambda: REQUEST_METRICS.request_ended(route, status, model))
     return resp
 
 

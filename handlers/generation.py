@@ -80,8 +80,10 @@ def finite_or_none(value: float) -> float | None:
 class Generation:
     def __init__(self, client: EngineClient, request_id: str, prompt_ids: list[int], input_text: str,
                  req: GenerationRequest, tokenizer: TextTokenizer,
-                 interrupted: Callable[[], HttpError | None] = lambda: None, lora_name: str | None = None):
+                 interrupted: Callable[[], HttpError | None] = lambda: None, lora_name: str | None = None,
+                 model: str = ""):
         self.client = client
+        self.model = model  # the served model's name (request metrics are labelled by it with several models)
         self._interrupted = interrupted
         self.request_id = request_id
         self.input_text = input_text
@@ -125,7 +127,7 @@ class Generation:
             self.client.abort(self.request_id)
         self.client.release(self.request_id)
         REQUEST_METRICS.generation_ended(self.started, self.first_token_at, time.monotonic(), self.num_prompt_tokens,
-                                         self.num_generated_tokens, self.finish_reason)
+                                         self.num_generated_tokens, self.finish_reason, self.model)
 
     def _next(self, deadline: float, is_gone: Callable[[], bool]) -> Output:
         while True:

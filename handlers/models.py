@@ -35,6 +35,7 @@ log = logging.getLogger("handlers.app")
 
 TARGET_MODEL_HEADER = "X-Amzn-SageMaker-Target-Model"
 LOAD_GRACE_S = 30.0  # beyond option.model_loading_timeout: the launcher's own wait, making room first
+LOAD_ATTEMPTS = 5
 
 
 def service_of(record: ModelRecord, drain_dir: str | None) -> Service:
@@ -126,17 +127,20 @@ class Models:
         return service
 
     def _load(self, record: ModelRecord) -> ModelRecord:
-        """Ask the launcher to load an unloaded model (or wait for one loading) and return its record."""
-        reply = table_io.ask(self.run_dir, ModelCommand("load", record.name),
-                             self.server.model_loading_timeout_s + LOAD_GRACE_S) if self.run_dir else None
-        if reply is None:
-            raise HttpError(503, f"model {record.name} is {record.state} and did not load in time; retry later")
-        if reply.code != 200:
-            raise HttpError(reply.code, str(reply.body))
-        loaded = self.table().get(record.name)
-        if loaded is None or loaded.state != READY or loaded.dir is None:
-            raise HttpError(503, f"model {record.name} was unloaded again before this request reached it; retry")
-        return loaded
+        """Ask the launcher to load an unloaded model (or wait for one loading) and return its record. Loaded, it
+        is the most recently used; should another load unload it before this request sees it, ask again."""
+        for _ in range(LOAD_ATTEMPTS):
+            reply = table_io.ask(self.run_dir, ModelCommand("load", record.name),
+                                 self.server.model_loading_timeout_s + LOAD_GRACE_S)
+            if reply is None:
+                raise HttpError(503, f"model {record.name} is {record.state} and did not load in time; retry later")
+            if reply.code != 200:
+                raise HttpError(reply.code, str(reply.body))
+            loaded = self.table().get(record.name)
+            if loaded is not None and loaded.state == READY and loaded.dir is not None:
+                return loaded
+        raise HttpError(503, f"model {record.name} was unloaded {LOAD_ATTEMPTS} times before this request reached "
+                             "it (more models in use than the memory budget holds); retry later")
 
 
 def _is_leaving(record: ModelRecord) -> bool:

@@ -45,15 +45,27 @@ HISTOGRAMS = {
 
 
 def _empty() -> dict:
+    """One model's totals ("" for requests that reached none: management, 404s)."""
     return {"hist": {k: {"counts": [0] * (len(b) + 1), "sum": 0.0} for k, b in BUCKETS.items()},
-            "prompt_tokens": 0, "generation_tokens": 0, "finished": {}, "http": {}, "in_flight": 0}
+            "prompt_tokens": 0, "generation_tokens": 0, "finished": {}, "http": {}}
+
+
+def _add(total: dict, d: dict) -> None:
+    for k in BUCKETS:
+        total["hist"][k]["counts"] = [a + b for a, b in zip(total["hist"][k]["counts"], d["hist"][k]["counts"])]
+        total["hist"][k]["sum"] += d["hist"][k]["sum"]
+    for k in ("prompt_tokens", "generation_tokens"):
+        total[k] += d[k]
+    for k in ("finished", "http"):
+        for label, n in d[k].items():
+            total[k][label] = total[k].get(label, 0) + n
 
 
 class RequestMetrics:
     def __init__(self):
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()  # one writer of this worker's file at a time
-        self._data = _empty()
+        self._data = {"models": {}, "in_flight": 0}  # model name → _empty()
         self._dir: str | None = None
         self._dirty = threading.Event()
 
@@ -74,34 +86,31 @@ class RequestMetrics:
             self._data["in_flight"] += 1
         self._dirty.set()
 
-    def request_ended(self, route: str, status: int) -> None:
+    def _model(self, model: str) -> dict:
+        return self._data["models"].setdefault(model, _empty())
+
+    def request_ended(self, route: str, status: int, model: str = "") -> None:
         with self._lock:
             self._data["in_flight"] -= 1
             key = f"{route} {status}"
-            self._data["http"][key] = self._data["http"].get(key, 0) + 1
+            http = self._model(model)["http"]
+            http[key] = http.get(key, 0) + 1
         self._dirty.set()
 
     def generation_ended(self, started: float, first_token: float | None, ended: float, num_prompt_tokens: int,
-                         num_generated_tokens: int, finish_reason: str | None) -> None:
+                         num_generated_tokens: int, finish_reason: str | None, model: str = "") -> None:
         with self._lock:
-            d = self._data
+            d = self._model(model)
             d["prompt_tokens"] += num_prompt_tokens
             d["generation_tokens"] += num_generated_tokens
             if finish_reason is not None and finish_reason != "error":
                 d["finished"][finish_reason] = d["finished"].get(finish_reason, 0) + 1
-                self._observe("e2e", ended - started)
+                _observe(d, "e2e", ended - started)
             if first_token is not None:
-                self._observe("ttft", first_token - started)
+                _observe(d, "ttft", first_token - started)
                 if num_generated_tokens > 1:
-                    self._observe("tpot", (ended - first_token) / (num_generated_tokens - 1))
+                    _observe(d, "tpot", (ended - first_token) / (num_generated_tokens - 1))
         self._dirty.set()
-
-    def _observe(self, name: str, value: float) -> None:
-        h = self._data["hist"][name]
-        bounds = BUCKETS[name]
-        h["counts"][next((i for i, b in enumerate(bounds) if value <= b), len(bounds))] += 1
-        h["sum"] += value
-
     def _write(self) -> None:
         if self._dir is None:
             return
@@ -111,10 +120,12 @@ class RequestMetrics:
             write_atomically(os.path.join(self._dir, f"{os.getpid()}.json"), payload)
 
     # -- /metrics -----------------------------------------------------------------------------------
-    def families(self):
-        """Prometheus metric families of every worker's totals."""
+    def families(self, by_model: bool = False):
+        """Prometheus metric families of every worker's totals; by_model: each sample labelled model="<name>"
+        (several models), else summed (one model: the names as before)."""
         self._write()
-        total = _empty()
+        totals: dict[str, dict] = {}
+        in_flight = 0
         for name in sorted(os.listdir(self._dir)) if self._dir else []:
             if not name.endswith(".json"):
                 continue
@@ -123,35 +134,47 @@ class RequestMetrics:
                     d = json.load(f)
             except (OSError, ValueError):
                 continue  # being replaced this instant: the next scrape has it
-            for k in BUCKETS:
-                total["hist"][k]["counts"] = [a + b for a, b in zip(total["hist"][k]["counts"], d["hist"][k]["counts"])]
-                total["hist"][k]["sum"] += d["hist"][k]["sum"]
-            for k in ("prompt_tokens", "generation_tokens"):
-                total[k] += d[k]
-            for k in ("finished", "http"):
-                for label, n in d[k].items():
-                    total[k][label] = total[k].get(label, 0) + n
+            for model, data in d["models"].items():
+                _add(totals.setdefault(model if by_model else "", _empty()), data)
             if _alive(d["pid"]):
-                total["in_flight"] += d["in_flight"]
-        for key, (name, doc) in HISTOGRAMS.items():
-            h, running, buckets = total["hist"][key], 0, []
-            for bound, n in zip(list(BUCKETS[key]) + [float("inf")], h["counts"]):
-                running += n
-                buckets.append(("+Inf" if bound == float("inf") else repr(bound), running))
-            yield HistogramMetricFamily(name, doc, buckets=buckets, sum_value=h["sum"])
-        yield CounterMetricFamily("vllm:prompt_tokens", "prompt tokens of finished requests",
-                                  value=total["prompt_tokens"])
-        yield CounterMetricFamily("vllm:generation_tokens", "generated tokens", value=total["generation_tokens"])
-        success = CounterMetricFamily("vllm:request_success", "finished requests", labels=["finished_reason"])
-        for reason, n in sorted(total["finished"].items()):
-            success.add_metric([reason], n)
-        yield success
-        http = CounterMetricFamily("lmi_http_requests", "HTTP requests by route and status", labels=["route", "status"])
-        for key, n in sorted(total["http"].items()):
-            route, status = key.rsplit(" ", 1)
-            http.add_metric([route, status], n)
-        yield http
-        yield GaugeMetricFamily("lmi_http_requests_in_flight", "HTTP requests being served", value=total["in_flight"])
+                in_flight += d["in_flight"]
+        labels = ["model"] if by_model else []
+        rows = sorted(totals.items()) or [("", _empty())]
+
+        def key(model: str) -> list[str]:
+            return [model] if by_model else []
+
+        for k, (name, doc) in HISTOGRAMS.items():
+            family = HistogramMetricFamily(name, doc, labels=labels)
+            for model, total in rows:
+                h, running, buckets = total["hist"][k], 0, []
+                for bound, n in zip(list(BUCKETS[k]) + [float("inf")], h["counts"]):
+                    running += n
+                    buckets.append(("+Inf" if bound == float("inf") else repr(bound), running))
+                family.add_metric(key(model), buckets, h["sum"])
+            yield family
+        prompt = CounterMetricFamily("vllm:prompt_tokens", "prompt tokens of finished requests", labels=labels)
+        generated = CounterMetricFamily("vllm:generation_tokens", "generated tokens", labels=labels)
+        success = CounterMetricFamily("vllm:request_success", "finished requests", labels=[*labels, "finished_reason"])
+        http = CounterMetricFamily("lmi_http_requests", "HTTP requests by route and status",
+                                   labels=[*labels, "route", "status"])
+        for model, total in rows:
+            prompt.add_metric(key(model), total["prompt_tokens"])
+            generated.add_metric(key(model), total["generation_tokens"])
+            for reason, n in sorted(total["finished"].items()):
+                success.add_metric([*key(model), reason], n)
+            for k, n in sorted(total["http"].items()):
+                route, status = k.rsplit(" ", 1)
+                http.add_metric([*key(model), route, status], n)
+        yield from (prompt, generated, success, http)
+        yield GaugeMetricFamily("lmi_http_requests_in_flight", "HTTP requests being served", value=in_flight)
+
+
+def _observe(d: dict, name: str, value: float) -> None:
+    h = d["hist"][name]
+    bounds = BUCKETS[name]
+    h["counts"][next((i for i, b in enumerate(bounds) if value <= b), len(bounds))] += 1
+    h["sum"] += value
 
 
 def _alive(pid: int) -> bool:

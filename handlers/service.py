@@ -168,7 +168,7 @@ class Service:
                 rid = f"{request_id}-{len(gens)}"
                 gens.append(Generation(self.client, rid, ids, text, copy, self.tokenizer,
                                        functools.partial(self.interrupted, rid),
-                                       req.adapters[i] if req.adapters else None))
+                                       req.adapters[i] if req.adapters else None, self.model_name))
         return gens
 
     def watch(self) -> tuple[float, Callable[[], bool]]:

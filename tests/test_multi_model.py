@@ -119,8 +119,9 @@ def test_three_models_registered_at_run_time_answer_like_hf_on_every_route(serve
     assert len(page["models"]) == 2 and page["nextPageToken"] == "2"
     # the budget holds two: registering the third unloaded the least recently used (llama)
     assert {m["modelName"]: m["status"] for m in listing["models"]}["llama"] == "UNLOADED"
-    cases = [(name, how) for name in ("llama", "qwen", "handler") for how in ("predictions", "invoke", "target")] + \
-        [("llama", "openai"), ("qwen", "openai")]
+    # concurrently, grouped by model (the cycling test below is the one that makes them take turns)
+    cases = [(name, how) for name in ("handler", "qwen", "llama")
+             for how in ("predictions", "invoke", "target", "openai")[:3 if name == "handler" else 4]]
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         texts = list(pool.map(lambda c: _text(server, c[0], c[1], oracles[c[0]]), cases))
     for (name, how), text in zip(cases, texts):
@@ -136,8 +137,15 @@ def test_three_models_registered_at_run_time_answer_like_hf_on_every_route(serve
     assert ping.status_code == 200 and set(ping.json()["models"]) == {"llama", "qwen", "handler"}
     metrics = requests.get(server.url + "/metrics", timeout=10).text
     assert 'lmi_model_evictions_total{model="llama"}' in metrics
-    assert 'lmi_engine_ready{engine="paged",model="llama",state="ready"}' in metrics or \
-        'lmi_engine_ready{model="llama",engine="paged",state="ready"}' in metrics
+    assert 'lmi_http_requests_total{model="qwen",route="/predictions/<model_name>",status="200"} 1.0' in metrics
+    assert 'vllm:request_success_total{finished_reason="length",model="handler"}' not in metrics  # (its own code)
+    tokens = 4 * len(oracles["llama"](PROMPT, 12))  # predictions, invoke, target, openai
+    assert f'vllm:generation_tokens_total{{model="llama"}} {float(tokens)}' in metrics
+    loaded = [m for m in requests.get(server.url + "/models", timeout=5).json()["models"] if m["status"] == "READY"]
+    kinds = {"llama": "paged", "qwen": "rolling", "handler": "handler"}
+    for m in loaded:  # every engine sample labelled with its model
+        assert f'lmi_engine_ready{{engine="{kinds[m["modelName"]]}",model="{m["modelName"]}",state="ready"}} 1.0' \
+            in metrics
     described = requests.get(server.url + "/models/qwen", timeout=10).json()
     assert described["engine"] == "rolling" and described["modelUrl"] == three[1] and described["workers"] == 1
 

@@ -76,7 +76,8 @@ def metrics():
     table = models().table()
     if table.multi or len(table.models) != 1:
         return Response(render_models(table, [(r.name, _replies(s)) for r, s in models().loaded()],
-                                      REQUEST_METRICS.families), mimetype="text/plain; version=0.0.4")
+                                      lambda: REQUEST_METRICS.families(by_model=True)),
+                        mimetype="text/plain; version=0.0.4")
     service = current()
     reply = _replies(service)
     if reply is None:
