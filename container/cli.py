@@ -137,9 +137,17 @@ def _check_plan(resolved: cfgmod.ResolvedConfig, config, spec) -> str | None:
 
 
 def cmd_config(args) -> int:
+    if getattr(args, "server", None):
+        return _print_models(args.server)
     resolved = _resolve(args)
     for line in cfgmod.describe(resolved):
         print(line)
+    if not has_startup_model(resolved, args.model_dir):
+        print(f"models: none at start (multi-model mode: registered through POST /models; model_url_pattern="
+              f"{resolved['model_url_pattern']}, allow_custom_code={resolved['allow_custom_code']}, budget: "
+              f"{resolved['option.max_models_memory'] or 'the whole machine'}); a running server's: lmi config "
+              "--server URL")
+        return 0
     model_id = resolved["option.model_id"]
     is_remote = bool(model_id) and (model_id.startswith("s3://") or not os.path.exists(os.path.expanduser(model_id)))
     local_dir = None if is_remote else resolve_model(model_id, args.model_dir, download_dir="")
@@ -164,6 +172,24 @@ def cmd_config(args) -> int:
              if config.parallel.pipeline_parallel_degree > 1 else "")
           + (f"; copies: {config.parallel.copies}" if config.parallel.copies > 1 else "")
           + (f"; custom handler: {config.model.entry_point}" if config.model.entry_point else ""))
+    where = ([f"cpu cores {','.join(map(str, c))}" for c in config.parallel.copy_cores] or
+             [f"gpu {','.join(d)}" for d in config.parallel.copy_devices] or ["all devices" if num_gpus else "all cores"])
+    print(f"models: {config.server.served_model_name} ({config.scheduler.engine_kind}, {'; '.join(where)}); "
+          "more may be registered at run time (POST /models, docs/multi-model.md)")
+    return 0
+
+
+def _print_models(url: str) -> int:
+    """A running server's models: each one's state, engine, copies and where it runs (GET /models)."""
+    import requests
+
+    url = url.rstrip("/")
+    listing = requests.get(f"{url}/models", timeout=10)
+    listing.raise_for_status()
+    for m in listing.json()["models"]:
+        d = requests.get(f"{url}/models/{m['modelName']}", timeout=10).json()
+        print(f"{d['modelName']}: {d['status']}, {d['engine']}, {d['workers']} copy(ies) on {d['devices']}, "
+              f"{d['memoryBytes'] / 2**30:.2f} GiB of the budget, from {d['modelUrl']}")
     return 0
 
 
@@ -234,6 +260,9 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--model-dir", help="model directory (default for option.model_id)")
         if name == "plan":
             _plan_arguments(s)
+        if name == "config":
+            s.add_argument("--server", help="list a running server's models instead (its URL, e.g. "
+                                            "http://localhost:8080)")
         else:
             s.add_argument("--port", type=int, help="port (default: SAGEMAKER_BIND_TO_PORT or 8080)")
             s.add_argument("--host", default="0.0.0.0", help="address to bind (default 0.0.0.0)")

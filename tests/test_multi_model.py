@@ -150,6 +150,18 @@ def test_three_models_registered_at_run_time_answer_like_hf_on_every_route(serve
     assert described["engine"] == "rolling" and described["modelUrl"] == three[1] and described["workers"] == 1
 
 
+def test_lmi_config_lists_a_running_servers_models_and_where_each_runs(server, three, capsys):
+    from container.cli import main
+
+    _ensure_registered(server, three)
+    assert main(["config", "--server", server.url]) == 0
+    lines = sorted(capsys.readouterr().out.splitlines())
+    assert [line.split(":")[0] for line in lines] == ["handler", "llama", "qwen"]
+    ready = [line for line in lines if ": READY, " in line]
+    assert len(ready) == 2 and all(" copy(ies) on cpu cores " in line for line in ready), lines
+    assert any(line.startswith("qwen: ") and line.endswith(f"from {three[1]}") for line in lines)
+
+
 def test_requests_cycling_over_three_models_in_a_budget_of_two(server, three, oracles):
     _ensure_registered(server, three)
     before = _counts(server)
