@@ -36,12 +36,12 @@ from dataclasses import dataclass
 
 from container import registration
 from container.control import ControlServer
-from container.model_group import DEAD_LINGER_S, EngineCopy, engine_command, stop_all  # noqa: F401 (re-exported)
+from container.model_group import DEAD_LINGER_S, EngineCopy, engine_command, stop_all, wait_idle  # noqa: F401
 from container.preflight import check_port, first_problem
 from container.registry import Registry, Settings
 from engines.config import LmiConfig, ServerConfig
 from engines.process.models import ModelCommand, ModelReply
-from engines.process.rundir import draining_path, engine_socket_path, read_failure, write_atomically
+from engines.process.rundir import draining_path, read_failure, write_atomically
 from engines.process.startup import TIMELINE, startup_path
 
 log = logging.getLogger("container.launcher")
@@ -218,26 +218,15 @@ class Launcher:
 
     def _drain(self, http: subprocess.Popen) -> int:
         """New requests get 503 from now on; those in flight finish, or are aborted at the deadline."""
-        from handlers.engine_client import EngineClient
-
         copies = [c for g in self.registry.groups() for c in g.copies if c.proc is not None]
-        probes = [EngineClient(engine_socket_path(c.dir)) for c in copies]
         budget = self.container.server.drain_timeout_s
         deadline = time.time() + budget
         write_atomically(draining_path(self.run_dir), repr(deadline))
         log.info("draining: new requests get 503; requests in flight have %g s to finish", budget)
-        idle_in_a_row = 0
-        while idle_in_a_row < 2 and time.time() < deadline + DRAIN_POLL_S and \
-                any(c.proc.poll() is None for c in copies):
-            replies = [p.health(timeout=POLL_S) if c.proc.poll() is None else None for p, c in zip(probes, copies)]
-            idle = all(r is None and c.proc.poll() is not None or r is not None and r.num_running == 0 and
-                       r.num_waiting == 0 for r, c in zip(replies, copies))
-            idle_in_a_row = idle_in_a_row + 1 if idle else 0
-            time.sleep(DRAIN_POLL_S)
         # gunicorn lets the responses still being written finish; a request still running at the
         # deadline is aborted by its worker with a 503, so the engines stop after it. Drained with
         # nothing in flight, nothing needs an engine any more: every process stops at once.
-        if idle_in_a_row >= 2 or not copies:
+        if wait_idle(copies, budget + DRAIN_POLL_S, DRAIN_POLL_S):
             stop_all([http] + [c.proc for c in copies], STOP_GRACE_S)
         else:
             stop_all([http], max(deadline - time.time(), 0) + STOP_GRACE_S)

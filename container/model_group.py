@@ -21,8 +21,8 @@ import time
 from typing import Callable
 
 from engines.config import LmiConfig
-from engines.process.rundir import (CORES_ENV, DIST_PORT, copy_dirs, failure_path, read_failure, ready_path,
-                                    write_failure)
+from engines.process.rundir import (CORES_ENV, DIST_PORT, copy_dirs, engine_socket_path, failure_path, read_failure,
+                                    ready_path, write_failure)
 
 log = logging.getLogger("container.launcher")
 
@@ -191,6 +191,28 @@ class ModelGroup:
 
     def stop(self, grace: float) -> None:
         stop_all(self.procs, grace)
+
+
+def wait_idle(copies: list[EngineCopy], limit_s: float, poll_s: float = 0.05) -> bool:
+    """Until every live copy reports nothing running or waiting twice in a row (True), at most `limit_s`
+    (False); a copy whose process has exited counts as idle."""
+    from handlers.engine_client import EngineClient
+
+    probes = [EngineClient(engine_socket_path(c.dir)) for c in copies]
+    deadline, idle_in_a_row = time.monotonic() + limit_s, 0
+    try:
+        while idle_in_a_row < 2 and time.monotonic() < deadline and \
+                any(c.proc is not None and c.proc.poll() is None for c in copies):
+            replies = [p.health(timeout=min(1.0, limit_s)) if c.proc is not None and c.proc.poll() is None else None
+                       for p, c in zip(probes, copies)]
+            idle = all(r is not None and r.num_running == 0 and r.num_waiting == 0 or
+                       r is None and (c.proc is None or c.proc.poll() is not None) for r, c in zip(replies, copies))
+            idle_in_a_row = idle_in_a_row + 1 if idle else 0
+            time.sleep(poll_s)
+    finally:
+        for p in probes:
+            p.close()
+    return idle_in_a_row >= 2 or not any(c.proc is not None and c.proc.poll() is None for c in copies)
 
 
 def stop_all(procs: list[subprocess.Popen], grace: float) -> None:

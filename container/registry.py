@@ -24,17 +24,15 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from container.model_group import ModelGroup, Spawn
+from container.model_group import ModelGroup, Spawn, wait_idle
 from container.registration import Refusal, Registration
 from engines.config import LmiConfig
 from engines.process.models import (FAILED, LOADING, READY, UNLOADED, UNLOADING, ModelRecord, ModelTable, last_used,
                                     used_path, write_table)
-from engines.process.rundir import engine_socket_path
 from engines.weights.memory_plan import gib
 
 log = logging.getLogger("container.launcher")
 
-IDLE_POLL_S = 0.05
 STOP_GRACE_S = 10.0
 
 
@@ -266,7 +264,7 @@ class Registry:
             group, entry.state, entry.detail = entry.group, UNLOADING, reason
         self.publish()
         if group is not None:
-            _wait_idle(group, entry.config.scheduler.predict_timeout_s)
+            wait_idle(group.copies, entry.config.scheduler.predict_timeout_s)
         with self._lock:
             entry.group = None
             if keep:
@@ -339,21 +337,3 @@ def place_on_devices(held: dict[str, int], device_bytes: int, per_rank: int, ran
             held[d] += per_rank
         chosen.append(sorted(fits))
     return chosen
-
-
-def _wait_idle(group: ModelGroup, limit_s: float) -> None:
-    """Until every live copy reports nothing running or waiting twice in a row, at most `limit_s`."""
-    from handlers.engine_client import EngineClient
-
-    probes = [EngineClient(engine_socket_path(c.dir)) for c in group.copies]
-    deadline, idle_in_a_row = time.monotonic() + limit_s, 0
-    try:
-        while idle_in_a_row < 2 and time.monotonic() < deadline:
-            replies = [p.health(timeout=1.0) if c.proc is not None and c.proc.poll() is None else None
-                       for p, c in zip(probes, group.copies)]
-            idle = all(r is None or r.num_running == 0 and r.num_waiting == 0 for r in replies)
-            idle_in_a_row = idle_in_a_row + 1 if idle else 0
-            time.sleep(IDLE_POLL_S)
-    finally:
-        for p in probes:
-            p.close()
