@@ -164,6 +164,11 @@ def cmd_config(args) -> int:
             config = cfgmod.build(resolved, num_gpus=0, **{**build, "num_cpus": 1 << 16})
         else:
             config = cfgmod.build(resolved, num_gpus=resolved["option.tensor_parallel_degree"], **build)
+    runs_on = ([f"cpu cores {','.join(map(str, c))}" for c in config.parallel.copy_cores] or
+               [f"gpu {','.join(d)}" for d in config.parallel.copy_devices] or
+               ["all devices" if num_gpus else "all cores"])
+    print(f"models: {config.server.served_model_name} ({config.scheduler.engine_kind}, {'; '.join(runs_on)}); "
+          "more may be registered at run time (POST /models, docs/multi-model.md)")
     where = " (architecture not known before download)" if is_remote else ""
     print(f"engine: {config.scheduler.engine_kind}{where}; tensor_parallel_degree: "
           f"{config.parallel.tensor_parallel_degree}; mpi: {config.parallel.use_mpi}; dtype: {config.model.dtype}"
@@ -172,10 +177,6 @@ def cmd_config(args) -> int:
              if config.parallel.pipeline_parallel_degree > 1 else "")
           + (f"; copies: {config.parallel.copies}" if config.parallel.copies > 1 else "")
           + (f"; custom handler: {config.model.entry_point}" if config.model.entry_point else ""))
-    where = ([f"cpu cores {','.join(map(str, c))}" for c in config.parallel.copy_cores] or
-             [f"gpu {','.join(d)}" for d in config.parallel.copy_devices] or ["all devices" if num_gpus else "all cores"])
-    print(f"models: {config.server.served_model_name} ({config.scheduler.engine_kind}, {'; '.join(where)}); "
-          "more may be registered at run time (POST /models, docs/multi-model.md)")
     return 0
 
 
@@ -258,11 +259,11 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--config", help="a vLLM-style YAML config of engine arguments (vllm serve --config), "
                                         "beside serving.properties")
         s.add_argument("--model-dir", help="model directory (default for option.model_id)")
-        if name == "plan":
-            _plan_arguments(s)
         if name == "config":
             s.add_argument("--server", help="list a running server's models instead (its URL, e.g. "
                                             "http://localhost:8080)")
+        if name == "plan":
+            _plan_arguments(s)
         else:
             s.add_argument("--port", type=int, help="port (default: SAGEMAKER_BIND_TO_PORT or 8080)")
             s.add_argument("--host", default="0.0.0.0", help="address to bind (default 0.0.0.0)")

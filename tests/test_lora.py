@@ -417,7 +417,8 @@ def test_adapters_registered_at_run_time_while_traffic_flows(start_server, lora_
         resp = requests.post(server.url + "/adapters", params={"name": "all-r2", "src": str(adapters["all-r2"][0])})
         assert resp.status_code == 400 and "a LoRA adapter named 'all-r2' is already registered" in resp.json()["error"]
         resp = requests.get(server.url + "/models/other/adapters")
-        assert (resp.status_code, resp.json()["error"]) == (404, "Model or workflow not found: other")
+        assert (resp.status_code, resp.json()["error"]) == (404, "Model or workflow not found: other; this server "
+                                                                 "serves tiny-llama")
         resp = requests.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/no/such"})
         assert resp.status_code == 400 and resp.json()["error"]["message"] == \
             "LoRA adapter 'x': model directory /no/such does not exist."

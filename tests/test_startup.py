@@ -9,7 +9,13 @@ import time
 import pytest
 import requests
 
+from engines.devices import choose_dtype, cpu_flags
 from tests.support import Server
+
+# the dtype the tiny float32 checkpoint runs in on this CPU (bf16 where the CPU computes it, else float32)
+DTYPE = choose_dtype(None, "float32", num_gpus=0, cpu=cpu_flags()).dtype
+WIDTH = 2 if DTYPE == "bf16" else 4  # bytes per element
+
 
 
 def test_tiny_model_without_properties_is_up_in_seconds_with_a_small_kv_cache(tmp_path, tiny_model):
@@ -19,8 +25,8 @@ def test_tiny_model_without_properties_is_up_in_seconds_with_a_small_kv_cache(tm
         server.wait_ready(timeout=60)
         elapsed = time.monotonic() - started
         log = server.log()
-        # 32 sequences (max_rolling_batch_size) × 1,024 tokens (the model's length) × 256 bytes (bf16 K/V)
-        assert "paged KV cache: 2048 blocks of 16 tokens = 32768 tokens, 8388608 bytes" in log
+        # 32 sequences (max_rolling_batch_size) × 1,024 tokens (the model's length) × 128 K/V elements per token
+        assert f"paged KV cache: 2048 blocks of 16 tokens = 32768 tokens, {32768 * 128 * WIDTH} bytes" in log
         metrics = requests.get(server.url + "/metrics", timeout=5).text
         assert re.search(r"^lmi_kv_cache_blocks 2048\.0$", metrics, re.M)
         # what start-up does beyond imports (weights, warm-up, KV) is small; the 6 GB cache took 11 s
@@ -42,15 +48,15 @@ def test_serve_logs_where_it_listens_the_plan_and_a_startup_timeline(tmp_path, t
     server = start_server("option.max_rolling_batch_size=4\n", tiny_model)
     log = server.log()
     listening = log.index(f"listening on http://127.0.0.1:{server.port} (/ping, /invocations")
-    summary = log.index("plan: LlamaForCausalLM 205.1 K parameters, bf16, TP 1 on this machine's RAM: weights "
-                        "400.62 KiB/rank, KV cache 4,096 tokens (256 bytes/token/rank), 4 sequences of 1,024 tokens; "
-                        "fits")
+    summary = log.index(f"plan: LlamaForCausalLM 205.1 K parameters, {DTYPE}, TP 1 on this machine's RAM: weights "
+                        f"{205120 * WIDTH / 1024:.2f} KiB/rank, KV cache 4,096 tokens ({128 * WIDTH} bytes/token/rank), "
+                        "4 sequences of 1,024 tokens; fits")
     assert listening < summary < log.index("starting engine")
-    assert "paged KV cache: 256 blocks of 16 tokens = 4096 tokens, 1048576 bytes" in log  # the plan's figure
-    # one line per phase, in order; the weight load names its bytes (205,120 bf16 parameters)
+    assert f"paged KV cache: 256 blocks of 16 tokens = 4096 tokens, {4096 * 128 * WIDTH} bytes" in log  # the plan's
+    # one line per phase, in order; the weight load names its bytes (205,120 parameters)
     logged = re.findall(r"startup phase (\w+): (\d+\.\d\d) s", log)
     assert [name for name, _ in logged] == PHASES
-    assert re.search(r"startup phase weight_load: \d+\.\d\d s \(410,240 bytes, \d+\.\d\d GB/s\)", log)
+    assert re.search(rf"startup phase weight_load: \d+\.\d\d s \({205120 * WIDTH:,} bytes, \d+\.\d\d GB/s\)", log)
     # the same figures in every HTTP worker's /metrics
     text = requests.get(server.url + "/metrics", timeout=5).text
     metrics = {m.group(1): float(m.group(2)) for m in re.finditer(

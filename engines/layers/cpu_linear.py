@@ -35,6 +35,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from engines.devices import cpu_flags
 from engines.kernels import cpu_gemm, cpu_qlinear
 from engines.layers.linear import ColumnParallelLinear, RowParallelLinear
 from engines.layers.quant import Int4A8Weight
@@ -91,12 +92,21 @@ class Candidate:
     wrap: Callable[[torch.Tensor | nn.Module], nn.Module] | None  # this linear's weight → its kernel (None: as is)
 
 
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN reorders a `dtype` weight on this CPU: float32 anywhere; bf16 only with AVX512 BW, VL
+    and DQ or AVX-NE-CONVERT (elsewhere, an AVX2-only Zen 2 / 3 for one, the reorder raises)."""
+    if not torch.backends.mkldnn.is_available() or dtype not in (torch.float32, torch.bfloat16):
+        return False
+    flags = cpu_flags()
+    return dtype == torch.float32 or {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags
+
+
 def candidates(weight: torch.Tensor | nn.Module, dtype: torch.dtype) -> list[Candidate]:
     """The kernels that can multiply this kind of weight in `dtype` on this CPU."""
     method = getattr(weight, "method", None)
     if method is None:
         out = [Candidate("aten", None)]
-        if torch.backends.mkldnn.is_available() and dtype in (torch.float32, torch.bfloat16):
+        if onednn_packs(dtype):
             out.append(Candidate("onednn", OneDnnWeight))
         if dtype == torch.bfloat16:
             out.append(Candidate("upcast", UpcastWeight))
