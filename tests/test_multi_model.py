@@ -165,11 +165,10 @@ def test_lmi_config_lists_a_running_servers_models_and_where_each_runs(server, t
 def test_requests_cycling_over_three_models_in_a_budget_of_two(server, three, oracles):
     _ensure_registered(server, three)
     before = _counts(server)
-    order = ["llama", "qwen", "handler", "llama", "qwen"]
+    order = ["llama", "qwen", "handler", "llama", "qwen", "handler"]  # any two resident: each request moves one
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        futures = [pool.submit(_text, server, name, "predictions", oracles[name]) for name in order for _ in range(2)]
-        texts = [f.result() for f in futures]
-    for name, text in zip([n for n in order for _ in range(2)], texts):
+        texts = list(pool.map(lambda name: _text(server, name, "predictions", oracles[name]), order))
+    for name, text in zip(order, texts):
         assert text == _expected(oracles[name]), name
     after = _counts(server)
     assert sum(after["loads"].values()) > sum(before["loads"].values())
