@@ -117,18 +117,26 @@ class Registry:
             group = e.group
             if group is None:
                 continue
-            was_ready = group.ready
             reason = group.check(self.spawn, self.env, restart_alone=self.multi) or \
                 (group.loading_too_long() if not group.ready else None)
-            if reason is None and group.ready and not was_ready and e.state == READY and not e.startup:
-                log.info("model %s: serving again", e.name)
             if reason is None:
                 continue
-            if e.startup and (not self.multi or not was_ready):
+            if e.startup and (not self.multi or not group.ready):
                 return reason
-            group.failure = group.failure or reason
-            group.ready_event.set()  # (its load gives up, stops it, and says why)
+            if group.ready:  # it served, and a restart failed: failed until its next request loads it again
+                self._fail(e, group, reason)
+            else:
+                group.failure = group.failure or reason
+                group.ready_event.set()  # (its load gives up, stops it, and says why)
         return None
+
+    def _fail(self, entry: Entry, group: ModelGroup, reason: str) -> None:
+        log.error("model %s: its engine did not come back (%s); its next request loads it again", entry.name, reason)
+        with self._lock:
+            entry.state, entry.group, entry.detail = FAILED, None, reason
+        self.publish()
+        group.mark_dead(reason)
+        threading.Thread(target=group.stop, args=(STOP_GRACE_S,), daemon=True).start()
 
     # -- management ------------------------------------------------------------------------------
     def register(self, reg: Registration, synchronous: bool = True) -> tuple[int, dict]:

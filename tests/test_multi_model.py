@@ -278,3 +278,21 @@ def _engine_pid(name: str) -> int:
         if b"engines.process.serve" in args and any(a.endswith(f"-{name}".encode()) for a in args):
             return int(pid)
     raise AssertionError(f"no engine process for {name}")
+
+
+def test_placement_packs_small_models_and_gives_a_large_one_a_tp_group_of_its_own():
+    from container.registry import place_on_cores, place_on_devices
+
+    gib = 1 << 30
+    held = {str(d): 0 for d in range(4)}  # four 80 GiB GPUs
+    for _ in range(6):  # six small models of 10 GiB: the emptiest GPU each time
+        [[device]] = place_on_devices(held, 80 * gib, 10 * gib, 1, 1)
+        held[device] += 10 * gib
+    assert sorted(held.values()) == [10 * gib, 10 * gib, 20 * gib, 20 * gib]
+    # a TP-2 model of 70 GiB per rank: the two GPUs with room for it, none with three models
+    assert place_on_devices(held, 80 * gib, 70 * gib, 2, 1) == [sorted(d for d in held if held[d] == 10 * gib)]
+    assert place_on_devices(held, 80 * gib, 71 * gib, 2, 1) is None  # no room left anywhere: the caller's 507
+    assert place_on_devices({"0": 0, "1": 0}, 80 * gib, 30 * gib, 1, 2) == [["0"], ["1"]]  # copies spread
+    # CPU: a model's copies on disjoint shares of the least used cores
+    assert place_on_cores({0: 0, 1: 0, 2: 0, 3: 0}, 2, 2) == [[0, 1], [2, 3]]
+    assert place_on_cores({0: 2, 1: 1, 2: 1, 3: 2}, 2, 1) == [[1, 2]]
