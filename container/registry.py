@@ -34,6 +34,7 @@ from engines.weights.memory_plan import gib
 log = logging.getLogger("container.launcher")
 
 STOP_GRACE_S = 10.0
+UNLOAD_GRACE_S = 3.0  # an unloaded model's engines are idle: nothing to finish, and loads wait for the memory
 
 
 @dataclass
@@ -284,7 +285,7 @@ class Registry:
         self.publish()
         if group is not None:
             group.mark_dead(f"the model {entry.name} was unloaded")
-            group.stop(STOP_GRACE_S)
+            group.stop(UNLOAD_GRACE_S)
             if not entry.startup:
                 shutil.rmtree(group.dir, ignore_errors=True)
         log.info("model %s: %s", entry.name, "unloaded" if keep else "unregistered")

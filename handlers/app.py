@@ -25,6 +25,7 @@ from werkzeug.exceptions import HTTPException
 import msgspec
 
 from engines.config import ServerConfig
+from engines.process.models import touch
 from engines.process.rundir import write_failure
 from handlers.errors import HttpError
 from handlers.models import Models
@@ -82,8 +83,14 @@ def _tag(resp: Response) -> Response:
         route, status = request.url_rule.rule if request.url_rule else "unmatched", resp.status_code
         service = g.get("service")
         model = service.model_name if service is not None else ""
-        resp.call_on_close(lambda: REQUEST_METRICS.request_ended(route, status, model))
+        resp.call_on_close(lambda: _ended(route, status, model, service))
     return resp
+
+
+def _ended(route: str, status: int, model: str, service: Service | None) -> None:
+    REQUEST_METRICS.request_ended(route, status, model)
+    if service is not None and service.run_dir is not None:  # a long stream keeps its model recently used
+        touch(service.run_dir)
 
 
 def _http_error(err: HttpError) -> Response:
