@@ -32,6 +32,8 @@ import sys
 import tempfile
 import time
 
+from benchmarks.plots import pyplot
+
 
 WAYS = ("native", "hf-paged", "hf-padded")
 
@@ -157,13 +159,9 @@ def main(argv=None) -> int:
 
 
 def plot(rows: list[dict], path: str) -> None:
-    try:
-        import matplotlib
-    except ImportError:
-        print("matplotlib is not installed: no plot", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(11, 4))
     xs = range(len(rows))

@@ -56,6 +56,7 @@ from benchmarks.load import drop_page_cache, files_under
 from benchmarks.server import BenchServer, _processes
 from benchmarks.slo import cpu_line, host, pct
 from benchmarks.tune_compare import cpu_info
+from benchmarks.plots import pyplot
 
 MIB = 1 << 20
 PROMPT = "The river ran past the old mill and"
@@ -389,13 +390,9 @@ def print_mix(part: dict, args) -> None:
 
 
 def plot(result: dict, path: str) -> None:
-    try:
-        import matplotlib
-    except ImportError:
-        print("matplotlib is not installed: no plot", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     cold = result.get("cold", {})

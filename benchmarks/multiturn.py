@@ -35,6 +35,7 @@ import requests
 from benchmarks.peers import host
 from benchmarks.server import BenchServer
 from benchmarks.workloads import prompt_of_length
+from benchmarks.plots import pyplot
 from container.model_maker import corpus_lines
 from handlers.tokenizer import TextTokenizer
 
@@ -232,13 +233,9 @@ def print_turns(t: dict, turns: int) -> None:
 
 
 def plot(result: dict, path: str) -> None:
-    try:
-        import matplotlib
-    except ImportError:
-        print("matplotlib is not installed: no plot", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, per_turn in result["turns"]["ttft"].items():

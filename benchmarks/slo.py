@@ -44,6 +44,7 @@ import requests
 from benchmarks.peers import host
 from benchmarks.server import BenchServer
 from benchmarks.workloads import prompt_of_length
+from benchmarks.plots import pyplot
 from container.model_maker import corpus_lines
 from handlers.tokenizer import TextTokenizer
 
@@ -532,13 +533,9 @@ def print_deadlines(part: dict, args) -> None:
 
 
 def plot(result: dict, path: str) -> None:
-    try:
-        import matplotlib
-    except ImportError:
-        print("matplotlib is not installed: no plot", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     if "medians" in result.get("priority", {}):
