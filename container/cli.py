@@ -103,18 +103,14 @@ def cmd_serve(args) -> int:
     if problem:
         log.error("lmi-serve did not start: %s", problem)
         return 2
+    from container.placement import gpu_memory_bytes
     from container.registration import need_bytes
 
-    need = need_bytes(config, resolved, spec, _device_bytes(cfgmod.count_gpus(os.environ)))
+    need = need_bytes(config, resolved, spec, gpu_memory_bytes(cfgmod.count_gpus(os.environ)))
     log.info("model %s: %s", config.server.served_model_name, local_dir)
     return Launcher(config, host=args.host, container=container_settings(
         resolved, config.server, download_dir, startup_url=resolved["option.model_id"] or local_dir,
         startup_need_bytes=need)).run()
-
-
-def _device_bytes(num_gpus: int) -> int:
-    mib = cfgmod.query_gpus("memory.total") if num_gpus else None
-    return min(int(v) for v in mib[:num_gpus]) * 2**20 if mib else 0
 
 
 def _check_plan(resolved: cfgmod.ResolvedConfig, config, spec) -> str | None:

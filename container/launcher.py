@@ -127,13 +127,12 @@ class Launcher:
                 log.error("lmi-serve %s: %s", "stopped" if self.ready else "did not start", self.failure)
 
     def _settings(self) -> Settings:
-        from container.placement import count_gpus, query_gpus
+        from container.placement import count_gpus, gpu_memory_bytes
         from engines.config import memory_bytes
         from engines.weights.memory_plan import available_ram
 
         num_gpus = count_gpus(self.env)
-        mib = [int(v) for v in (query_gpus("memory.total") or [])[:num_gpus]] if num_gpus else []
-        device_bytes = min(mib) * 2**20 if mib else 0
+        device_bytes = gpu_memory_bytes(num_gpus)
         machine = num_gpus * device_bytes if num_gpus else available_ram()
         spec = self.container.max_models_memory
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))

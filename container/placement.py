@@ -108,6 +108,12 @@ def query_gpus(field: str) -> list[str] | None:
         return None
 
 
+def gpu_memory_bytes(num_gpus: int) -> int:
+    """The memory of the smallest of the first `num_gpus` GPUs (0 without GPUs, or when nvidia-smi cannot say)."""
+    mib = [int(v) for v in (query_gpus("memory.total") or [])[:num_gpus]] if num_gpus else []
+    return min(mib) * 2**20 if mib else 0
+
+
 def gpu_supports_bf16() -> bool | None:
     """Whether every visible NVIDIA GPU computes bf16 (compute capability 8.0+: A100, A10G, L4, H100, ...);
     None when it cannot say."""

@@ -125,19 +125,24 @@ def need_bytes(config: LmiConfig, resolved, spec, device_bytes: int) -> int:
     copies, ranks = config.parallel.copies, config.parallel.ranks
     if resolved["required_memory_mb"]:
         return resolved["required_memory_mb"] * MIB * copies
+
+    def files_need() -> int:  # its files and an interpreter
+        return (_files_bytes(config.model.local_dir) + CPU_RUNTIME_BYTES) * copies
+
     if config.model.entry_point is not None or spec is None:
-        files = sum(os.path.getsize(os.path.join(root, f)) for root, _, names in os.walk(config.model.local_dir)
-                    for f in names)
-        return (files + CPU_RUNTIME_BYTES) * copies
+        return files_need()
     num_gpus = cfgmod.count_gpus(os.environ)
     machine = Machine("this machine", num_gpus, device_bytes if num_gpus else available_ram())
     try:
         shape = planner.read_model_shape(config.model.local_dir, spec=spec)
-    except (OSError, ValueError):  # (no memory model for it: its files and an interpreter)
-        return need_bytes(msgspec.structs.replace(config, model=msgspec.structs.replace(
-            config.model, entry_point="?")), resolved, None, device_bytes)
+    except (OSError, ValueError):  # (no memory model for it)
+        return files_need()
     p = plan(shape, machine, planner.workload(resolved, shape, machine, config.scheduler.engine_kind))
     per_rank = p.weight_bytes + p.headroom_bytes + p.kv_bytes
     if machine.is_gpu:
         per_rank = max(per_rank, int(device_bytes * config.scheduler.gpu_memory_utilization))
     return per_rank * ranks * copies
+
+
+def _files_bytes(directory: str) -> int:
+    return sum(os.path.getsize(os.path.join(root, f)) for root, _, names in os.walk(directory) for f in names)
