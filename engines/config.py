@@ -16,7 +16,28 @@ ENGINE_DYNAMIC = "dynamic"
 ENGINE_ROLLING = "rolling"
 ENGINE_PAGED = "paged"
 ENGINE_HANDLER = "handler"  # a custom handler (model.py): engines/custom/handler_engine.py
-ENGINE_KINDS = (ENGINE_DYNAMIC, ENGINE_ROLLING, ENGINE_PAGED, ENGINE_HANDLER)
+ENGINE_POOLING = "pooling"  # embeddings and scores (option.task): engines/pooling/engine.py
+ENGINE_KINDS = (ENGINE_DYNAMIC, ENGINE_ROLLING, ENGINE_PAGED, ENGINE_HANDLER, ENGINE_POOLING)
+
+# what a model serves (option.task, or detected from the checkpoint: container/tasks.py)
+TASK_GENERATION = "text-generation"
+TASK_EMBEDDING = "text-embedding"
+TASK_CLASSIFICATION = "text-classification"  # also cross-encoders: /rerank, /v1/score
+TASKS = (TASK_GENERATION, TASK_EMBEDDING, TASK_CLASSIFICATION)
+
+
+class PoolingSpec(msgspec.Struct, frozen=True):
+    """An embedding or classification model's facts, read once from its checkpoint (engines/pooling/spec.py):
+    sentence-transformers' modules.json, 1_Pooling/config.json and Normalize, else the architecture's defaults."""
+
+    task: str  # TASK_EMBEDDING | TASK_CLASSIFICATION
+    architecture: str
+    is_causal: bool = False  # a decoder (Qwen3-Embedding): causal attention, last-token pooling
+    pooling: str = "mean"  # cls | mean | max | lasttoken | mean_sqrt_len_tokens (embeddings)
+    normalize: bool = False  # unit length (a Normalize module)
+    max_input_tokens: int = 512  # longer inputs are truncated to it, or refused when the caller asks
+    dimensions: int = 0  # the vector's length (embeddings), the number of labels (classification)
+    labels: list[str] = []  # classification: the config's id2label, in id order
 
 # Architectures with our own (TP-aware) implementation; anything else runs on the HF fallback path,
 # which only the padded rolling-batch engine (and dynamic batching) can drive.
@@ -45,6 +66,8 @@ class ModelConfig(msgspec.Struct, frozen=True):
     # warm-up call receives (serving.properties' keys, option.* without the prefix, and model_dir)
     entry_point: str | None = None
     handler_properties: dict[str, str] = {}
+    task: str = TASK_GENERATION  # option.task (TASKS); the pooling engine's model facts in `pooling`
+    pooling: PoolingSpec | None = None
 
 
 class SchedulerConfig(msgspec.Struct, frozen=True):

@@ -30,7 +30,7 @@ from engines.process.rundir import write_failure
 from handlers.errors import HttpError
 from handlers.models import Models
 from handlers.request_metrics import REQUEST_METRICS
-from handlers.routes import adapters, lmi, management, openai, tgi
+from handlers.routes import adapters, lmi, management, openai, pooling, responses, tgi, tokenize
 from handlers.service import Service
 
 log = logging.getLogger("handlers.app")
@@ -57,7 +57,7 @@ def build_app(target: Service | Models) -> Flask:
     app.json.sort_keys = False
     app.extensions["lmi_models"] = target if isinstance(target, Models) else \
         Models(target.config.server, only=target)
-    for family in (lmi, openai, tgi, adapters, management):
+    for family in (pooling, lmi, openai, responses, tgi, tokenize, adapters, management):
         app.register_blueprint(family.routes)
     app.before_request(_begin)
     app.after_request(_tag)

@@ -5,6 +5,7 @@ need those. Every route asks here (`refuse_on_dynamic`); the sentences are the A
 
 from __future__ import annotations
 
+from engines.config import TASK_CLASSIFICATION, TASK_EMBEDDING, TASK_GENERATION
 from handlers.errors import bad_request
 
 DYNAMIC = "dynamic batching (batch_size>1 or option.rolling_batch=disable)"
@@ -50,3 +51,19 @@ def refuse_dynamic_sampling(is_dynamic: bool, sampling) -> None:
                           "min_tokens" if sampling.min_tokens else "bad_words")
     if sampling.prompt_logprobs:
         refuse_on_dynamic(is_dynamic, "prompt_logprobs")
+
+
+# a model's task (option.task) → the routes that serve it, as the 400 on any other route names them
+TASK_ROUTES = {
+    TASK_GENERATION: "/invocations, /v1/chat/completions, /v1/completions, /v1/responses, /generate",
+    TASK_EMBEDDING: "/v1/embeddings, /embed, /invocations",
+    TASK_CLASSIFICATION: "/rerank, /v1/rerank, /v1/score, /invocations",
+}
+
+
+def refuse_wrong_task(task: str, wanted: str | tuple[str, ...], what: str) -> None:
+    """A 400 when the model's task is not (one of) `wanted`: `what` (the route's work, "text generation")
+    is not what this model does, and the sentence names the routes that serve it."""
+    if task == wanted or (isinstance(wanted, tuple) and task in wanted):
+        return
+    raise bad_request(f"{what} is not available: this model serves {task} (option.task); use {TASK_ROUTES[task]}")

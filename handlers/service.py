@@ -22,7 +22,7 @@ from typing import Callable, Iterator
 import msgspec
 from flask import Response, g, request
 
-from engines.config import ENGINE_DYNAMIC, ENGINE_PAGED, LmiConfig
+from engines.config import ENGINE_DYNAMIC, ENGINE_PAGED, TASK_GENERATION, LmiConfig
 from engines.process.rundir import draining_path, read_failure
 from engines.protocol import STATE_READY, AdapterInfo, Slo
 from engines.spec import ModelSpec
@@ -32,7 +32,7 @@ from handlers.engine_pool import EnginePool
 from handlers.errors import HttpError, bad_request
 from handlers.formatters import collect
 from handlers.generation import ClientGone, CopyDied, Generation, client_gone
-from handlers.refusals import refuse_dynamic_sampling
+from handlers.refusals import refuse_dynamic_sampling, refuse_wrong_task
 from handlers.schemas import GenerationRequest, RequestLimits, slo_of
 from handlers.tokenizer import TextTokenizer
 
@@ -69,6 +69,7 @@ class Service:
         self.max_model_len = spec.max_model_len if spec else 0
         self.vocab_size = (spec.vocab_size or tokenizer.vocab_size) if spec else 0  # logit_bias ids must be below it
         self.is_dynamic = config.scheduler.engine_kind == ENGINE_DYNAMIC
+        self.task = config.model.task
         self.model_name = config.server.served_model_name
         self.limits = RequestLimits(config.server.max_inputs_per_request, config.server.max_input_chars)
         self.engine_ready = False
@@ -143,6 +144,7 @@ class Service:
                copies: int = 1) -> list[Generation]:
         """Send `copies` generations of every (token ids, text) prompt to the engine, in that order.
         Copies after the first of a seeded request get seed + k, so they differ and still repeat."""
+        refuse_wrong_task(self.task, TASK_GENERATION, "text generation")
         if req.bad_words:  # vLLM's: each word as it is and after a space (a word's first token differs)
             ids = {tuple(self.tokenizer.encode(text, add_special_tokens=False))
                    for word in req.bad_words for text in (word.lstrip(), " " + word.lstrip())}
