@@ -21,10 +21,11 @@ from container.compat import (check_cpu_linear, check_kv_cache_dtype, check_kv_o
 from container.keys import ConfigError
 from container.merge import (CLI, DEFAULT, ENV, FILE, ResolvedConfig, Setting, check_static_contradictions,  # noqa: F401
                              collect_raw, default_download_dir, describe, resolve, resolve_port)
+from container.tasks import build_pooling, resolve_task
 from container.placement import (CapacityError, count_gpus, gpu_supports_bf16, model_copies, placement,  # noqa: F401
                                  query_gpus, resolve_tensor_parallel)
 from engines.config import (
-    ENGINE_DYNAMIC, ENGINE_HANDLER, ENGINE_PAGED, ENGINE_ROLLING,
+    ENGINE_DYNAMIC, ENGINE_HANDLER, ENGINE_PAGED, ENGINE_ROLLING, TASK_GENERATION,
     LmiConfig, ModelConfig, ParallelConfig, SchedulerConfig, ServerConfig,
 )
 from engines.devices import cpu_flags
@@ -142,6 +143,11 @@ def build(cfg: ResolvedConfig, *, local_dir: str, spec: ModelSpec | None,
     handler = custom_handler(cfg, local_dir)
     if handler is not None:
         return build_handler(cfg, handler, local_dir=local_dir, num_gpus=num_gpus, num_cpus=num_cpus, port=port)
+    task = resolve_task(cfg, local_dir)
+    if task != TASK_GENERATION:
+        return build_pooling(cfg, task, local_dir=local_dir, spec=spec, num_gpus=num_gpus, num_cpus=num_cpus,
+                             cpu=cpu_flags() if cpu is None else cpu, gpu_bf16=gpu_bf16,
+                             server=server_config(cfg, local_dir, port), env=os.environ if env is None else env)
     kind = select_engine(cfg, spec)
     fallback = fallback_reason(cfg, spec)
     if fallback and cfg["option.model_impl"] == "native":
@@ -201,7 +207,8 @@ def server_config(cfg: ResolvedConfig, local_dir: str, port: int) -> ServerConfi
                         max_input_chars=cfg["max_input_chars"], drain_timeout_s=float(cfg["drain_timeout"]),
                         served_model_name=served_model_name(cfg, local_dir),
                         chat_template=cfg["option.chat_template"], tgi_compat=cfg["option.tgi_compat"],
-                        tool_call_parser=cfg["option.tool_call_parser"])
+                        tool_call_parser=cfg["option.tool_call_parser"],
+                        max_client_batch_size=cfg["option.max_client_batch_size"])
 
 
 def build_handler(cfg: ResolvedConfig, handler: str, *, local_dir: str, num_gpus: int, num_cpus: int,

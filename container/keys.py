@@ -77,6 +77,25 @@ def text(key: str, raw: str) -> str:
     return raw
 
 
+# option.task: DJL's, vLLM's and TEI's names for the three tasks served (engines/config.py TASKS)
+TASK_NAMES = {
+    **dict.fromkeys(("text-generation", "text_generation", "generate", "generation"), "text-generation"),
+    **dict.fromkeys(("text-embedding", "text_embedding", "embedding", "embed", "feature-extraction",
+                     "sentence-similarity", "sentence-embeddings"), "text-embedding"),
+    **dict.fromkeys(("text-classification", "text_classification", "classify", "classification", "score", "rerank",
+                     "sentiment-analysis"), "text-classification"),
+}
+
+
+def task(key: str, raw: str) -> str:
+    name = TASK_NAMES.get(raw.strip().lower())
+    if name is None:
+        raise ConfigError(f"{key}={raw}: lmi-serve serves text-generation, text-embedding (embedding models: "
+                          "/v1/embeddings, /embed) and text-classification (classifiers and cross-encoders: /rerank, "
+                          "/v1/score); set one of those, or unset it to detect the task from the checkpoint")
+    return name
+
+
 # quantised at load (engines/layers/quant.py): int8 / int4 weight-only, int8_dynamic int8 activations too (CPU),
 # fp8 (CUDA 8.9+; also an fp8 checkpoint's own method)
 QUANTIZE_METHODS = ("int8", "int4", "int8_dynamic", "fp8")
@@ -286,6 +305,13 @@ KEYS: tuple[Key, ...] = (
     Key("option.load_cache_dir", text, None,
         "directory for a load-optimised copy of each rank's weights: written on the first start, read on later "
         "ones (native models)"),
+    Key("option.task", task, None,
+        "what the model serves: text-generation, text-embedding (also embedding, feature-extraction) or "
+        "text-classification (also classify, score, rerank; cross-encoders); unset: detected from the checkpoint "
+        "(docs/embeddings.md)"),
+    Key("option.max_client_batch_size", integer(1), 512,
+        "embeddings and scores: the most inputs (texts, or documents to rank) one request may carry (TEI's "
+        "--max-client-batch-size)"),
     Key("option.served_model_name", text, None,
         "the model name /v1/models lists and OpenAI requests must use (default: option.model_id when it is "
         "not a local path, else the model dir's name)"),
@@ -326,7 +352,7 @@ KEYS: tuple[Key, ...] = (
 
 # DJL keys that are accepted for compatibility but change nothing here (no warning for them).
 ACCEPTED_UNUSED = frozenset({
-    "option.mpi_mode", "option.task", "option.device_map",
+    "option.mpi_mode", "option.device_map",
     "option.enable_streaming", "option.low_cpu_mem_usage", "option.disable_flash_attn",
     "max_idle_time", "load_on_devices", "reserved_memory_mb", "option.parallel_loading", "option.load_format",
 })

@@ -35,6 +35,7 @@ ENV_ALIASES = (
     ("SAGEMAKER_NUM_MODEL_WORKERS", "maxWorkers"),
     ("SAGEMAKER_MAX_REQUEST_SIZE", "max_request_size"),
     ("SAGEMAKER_MULTI_MODEL", "multi_model"),
+    ("HF_TASK", "option.task"),  # DJL's: the task of an HF_MODEL_ID model
 )
 _UPPER = re.compile(r"^[A-Z0-9_]+$")
 

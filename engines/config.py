@@ -146,6 +146,7 @@ class ServerConfig(msgspec.Struct, frozen=True):
     chat_template: str | None = None  # option.chat_template: a file path or an inline template
     tgi_compat: bool = False  # option.tgi_compat: /invocations answers as TGI's POST /
     tool_call_parser: str | None = None  # option.tool_call_parser: llama3_json | hermes | mistral (tool_choice=auto)
+    max_client_batch_size: int = 512  # embeddings and scores: the most inputs one request may carry
 
 
 class LmiConfig(msgspec.Struct, frozen=True):

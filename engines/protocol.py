@@ -1,7 +1,7 @@
 """Messages between the HTTP workers and the engine (ZeroMQ frames, msgpack via msgspec).
 
-    worker ──ADD / ABORT / HEALTH / ADAPTER_COMMAND / HANDLER_CALL──►  engine (ROUTER)
-    worker ◄──OUTPUT / HEALTH_REPLY / ADAPTER_REPLY / HANDLER_REPLY───  engine
+    worker ──ADD / ABORT / HEALTH / ADAPTER_COMMAND / HANDLER_CALL / ENCODE──►  engine (ROUTER)
+    worker ◄──OUTPUT / HEALTH_REPLY / ADAPTER_REPLY / HANDLER_REPLY / ENCODED──  engine
 
 Each worker process holds one DEALER socket; the engine replies to the socket a request came from.
 Token ids travel once (in ADD); outputs carry only the new token ids of each step.
@@ -144,8 +144,31 @@ class HandlerReply(msgspec.Struct, tag="handler_reply", frozen=True):
     content: list[tuple[str | None, bytes]] = []
 
 
-ToEngine = Add | Abort | Health | AdapterCommand | HandlerCall
-FromEngine = Output | HealthReply | AdapterReply | HandlerReply
+class Encode(msgspec.Struct, tag="encode", frozen=True):
+    """Inputs for the pooling engine (engines/pooling/engine.py), already tokenized and truncated: one
+    vector each comes back in one Encoded. token_type_ids: BERT's segment ids of a (query, document) pair,
+    [] for none. dimensions: embeddings keep their first n values (Matryoshka); normalize: unit length
+    (None: as the model does, its Normalize module), applied after the cut."""
+
+    request_id: str
+    inputs: list[list[int]]
+    token_type_ids: list[list[int]] = []
+    dimensions: int | None = None
+    normalize: bool | None = None
+
+
+class Encoded(msgspec.Struct, tag="encoded", frozen=True):
+    """One Encode's vectors, in its inputs' order: float32 little-endian bytes each (an embedding, or a
+    classifier's logits); or its failure (an HTTP status and a sentence)."""
+
+    request_id: str
+    vectors: list[bytes] = []
+    error_code: int | None = None
+    error: str | None = None
+
+
+ToEngine = Add | Abort | Health | AdapterCommand | HandlerCall | Encode
+FromEngine = Output | HealthReply | AdapterReply | HandlerReply | Encoded
 
 _encoder = msgspec.msgpack.Encoder()
 _to_engine = msgspec.msgpack.Decoder(ToEngine)

@@ -16,12 +16,13 @@ import threading
 
 import msgspec
 
-from engines.config import ENGINE_DYNAMIC, ENGINE_HANDLER, ENGINE_PAGED, ENGINE_ROLLING, LmiConfig, runner_model
+from engines.config import (ENGINE_DYNAMIC, ENGINE_HANDLER, ENGINE_PAGED, ENGINE_POOLING, ENGINE_ROLLING, LmiConfig,
+                            runner_model)
 from engines.dist import Communicator, SingleProcess, make_communicator, rank_info
 from engines.process.endpoint import EngineEndpoint
 from engines.process.ipc import high_water_mark
-from engines.protocol import (FINISH_ERROR, STATE_DEAD, STATE_LOADING, STATE_READY, Add, HandlerCall, HandlerReply,
-                              HealthReply, Output)
+from engines.protocol import (FINISH_ERROR, STATE_DEAD, STATE_LOADING, STATE_READY, Add, Encode, Encoded, HandlerCall,
+                              HandlerReply, HealthReply, Output)
 from engines.process.rundir import CORES_ENV, engine_socket_path, ready_path, write_failure
 from engines.process.errors import FatalStepError, HandlerError
 from engines.process.startup import TIMELINE, process_age, startup_path
@@ -47,6 +48,10 @@ def build_engine(config: LmiConfig, publish, comm: Communicator, run_dir: str | 
         from engines.custom.handler_engine import HandlerEngine
 
         return HandlerEngine(config, publish, run_dir)
+    if kind == ENGINE_POOLING:
+        from engines.pooling.engine import PoolingEngine
+
+        return PoolingEngine(config, publish)
     raise ValueError(f"unknown engine kind {kind!r}")
 
 
@@ -104,6 +109,9 @@ class EngineProcess:
                 elif isinstance(msg, HandlerCall):
                     self.endpoint.publish([HandlerReply(msg.request_id, 503, "the engine is not available",
                                                         {}, [(None, self.detail.encode())])])
+                elif isinstance(msg, Encode):
+                    self.endpoint.publish([Encoded(msg.request_id, error_code=503,
+                                                   error=f"the engine is not available: {self.detail}")])
                 return
         self.engine.submit(msg)
 
