@@ -45,6 +45,13 @@ class TextTokenizer:
         # other threads, nor the heartbeat that keeps gunicorn from killing the worker
         return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
+    def encode_with_offsets(self, text: str,
+                            add_special_tokens: bool = True) -> tuple[list[int], list[tuple[int, int]]]:
+        """The ids of encode() and each token's (start, stop) character offsets into `text` (an added
+        special token: (0, 0); the byte-level pieces of one character share its offsets)."""
+        encoding = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        return encoding.ids, encoding.offsets
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
