@@ -42,7 +42,7 @@ def list_models():
 
 @routes.post("/v1/chat/completions")
 def chat_completions():
-    body, service = _body()
+    body, service = model_body()
     req = parse_chat(body, default_max_tokens=service.config.server.default_max_new_tokens,
                      limits=service.limits, tool_parser=service.config.server.tool_call_parser)
     return run(service, CHAT, req, render(service, req), sse=True)
@@ -50,7 +50,7 @@ def chat_completions():
 
 @routes.post("/v1/completions")
 def completions():
-    body, service = _body()
+    body, service = model_body()
     req = parse_completion(body, limits=service.limits, vocab_size=service.tokenizer.vocab_size)
     prompts = [(list(ids), service.tokenizer.decode(list(ids))) for ids in req.prompt_ids] or \
               [(service.tokenizer.encode(text), text) for text in req.gen.inputs]
@@ -77,7 +77,7 @@ def best_choices(gens: list, tokens: list[list[dict]], best_of: int, n: int) -> 
     return [gens[k] for k in keep], [tokens[k] for k in keep]
 
 
-def _body() -> tuple[dict, Service]:
+def model_body() -> tuple[dict, Service]:
     """The body, and the model it names (`model`: one of the served models, else the one model, whose
     LoRA adapters it may name; with several models an unknown name is a 404 naming them)."""
     body = parse_body(served().body(), "application/json")
@@ -109,13 +109,18 @@ def render(service: Service, req: OpenAIRequest) -> list[tuple[list[int], str]]:
     return [(service.tokenizer.encode(text, add_special_tokens=False), text)]
 
 
-def run(service: Service, kind: str, req: OpenAIRequest, prompts: list[tuple[list[int], str]], sse: bool) -> Response:
+def start(service: Service, req: OpenAIRequest, prompts: list[tuple[list[int], str]]) -> tuple[list, str | None]:
+    """An OpenAI request's generations, launched, and the LoRA adapter its `model` names (None: the base)."""
     adapter = adapter_named(service, req.model)
     if req.user:
         log.info("[%s] user=%r", g.log_id, req.user)
     service.require_ready()
     gen = replace(req.gen, adapters=(adapter,) * len(prompts)) if adapter else req.gen
-    gens = service.launch(gen, prompts, g.request_id, copies=req.best_of or req.n)
+    return service.launch(gen, prompts, g.request_id, copies=req.best_of or req.n), adapter
+
+
+def run(service: Service, kind: str, req: OpenAIRequest, prompts: list[tuple[list[int], str]], sse: bool) -> Response:
+    gens, adapter = start(service, req, prompts)
     decode, model = service.tokenizer.decode, adapter or service.model_name
     if req.gen.stream:
         deadline, is_gone = service.watch()
