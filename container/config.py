@@ -135,19 +135,16 @@ def build(cfg: ResolvedConfig, *, local_dir: str, spec: ModelSpec | None,
           num_gpus: int, num_cpus: int, port: int, adapters: dict[str, str] | None = None,
           download_dir: str = "", cpu: frozenset[str] | None = None, gpu_bf16: bool | None = None,
           env: Mapping[str, str] | None = None) -> LmiConfig:
-    """The typed configuration the engine and HTTP workers run with. adapters: option.adapters with
-    each location resolved to a local directory (by the caller, which fetches S3 and hub ones); cpu:
-    the CPU's feature flags (None: this one's), gpu_bf16: whether the GPUs compute bf16 (None: not
-    known), which decide the dtype when option.dtype is unset (engines/devices.py); env: the environment
-    (None: this process's), whose CUDA_VISIBLE_DEVICES numbers the GPUs of model copies."""
+    """The typed configuration the engine and HTTP workers run with. adapters: option.adapters, each a local
+    directory (the caller fetches S3 and hub ones); cpu: the CPU's flags, gpu_bf16: whether the GPUs compute bf16
+    (None: this host's; they decide an unset option.dtype); env: whose CUDA_VISIBLE_DEVICES numbers copies' GPUs."""
     handler = custom_handler(cfg, local_dir)
     if handler is not None:
         return build_handler(cfg, handler, local_dir=local_dir, num_gpus=num_gpus, num_cpus=num_cpus, port=port)
-    task = resolve_task(cfg, local_dir)
-    if task != TASK_GENERATION:
-        return build_pooling(cfg, task, local_dir=local_dir, spec=spec, num_gpus=num_gpus, num_cpus=num_cpus,
-                             cpu=cpu_flags() if cpu is None else cpu, gpu_bf16=gpu_bf16,
-                             server=server_config(cfg, local_dir, port), env=os.environ if env is None else env)
+    cpu, env = cpu_flags() if cpu is None else cpu, os.environ if env is None else env
+    if (task := resolve_task(cfg, local_dir)) != TASK_GENERATION:
+        return build_pooling(cfg, task, local_dir=local_dir, spec=spec, num_gpus=num_gpus, num_cpus=num_cpus, cpu=cpu,
+                             gpu_bf16=gpu_bf16, server=server_config(cfg, local_dir, port), env=env)
     kind = select_engine(cfg, spec)
     fallback = fallback_reason(cfg, spec)
     if fallback and cfg["option.model_impl"] == "native":
@@ -155,15 +152,14 @@ def build(cfg: ResolvedConfig, *, local_dir: str, spec: ModelSpec | None,
                           f"our model code ({fallback}); use option.model_impl=auto for the transformers fallback")
     if fallback and kind != ENGINE_DYNAMIC:
         log.info("model code: %s; engine: %s", model_code(cfg, spec), kind)
-    tp = resolve_tensor_parallel(cfg, num_gpus, num_cpus)
-    pp = cfg["option.pipeline_parallel_degree"]
+    tp, pp = resolve_tensor_parallel(cfg, num_gpus, num_cpus), cfg["option.pipeline_parallel_degree"]
     use_mpi = cfg["engine"] == "MPI"
     if tp * pp > 1 and kind != ENGINE_DYNAMIC and not cfg.is_set("engine"):
         log.info("engine=MPI chosen: option.tensor_parallel_degree=%d, pipeline_parallel_degree=%d with a "
                  "rolling-batch engine and engine unset (as DJL does for lmi-dist)", tp, pp)
         use_mpi = True
     check_parallel(cfg, kind, tp, pp, use_mpi, fallback, spec, num_gpus, num_cpus)
-    dtype = quantized_dtype(cfg, num_gpus, fallback, spec, cpu_flags() if cpu is None else cpu, gpu_bf16)
+    dtype = quantized_dtype(cfg, num_gpus, fallback, spec, cpu, gpu_bf16)
     log.info("dtype: %s", dtype)
     check_kv_cache_dtype(cfg, kind)
     check_kv_offload(cfg, kind, pp)
@@ -193,8 +189,7 @@ def build(cfg: ResolvedConfig, *, local_dir: str, spec: ModelSpec | None,
         kv_offload_memory_dir=cfg["option.kv_offload_memory_dir"], kv_offload_dir=cfg["option.kv_offload_dir"],
         kv_offload_disk=cfg["option.kv_offload_disk"], **speed_settings(cfg, kind), **slo_settings(cfg, kind))
     return LmiConfig(model=model, scheduler=scheduler,
-                     parallel=placement(cfg, use_mpi, tp, num_gpus, num_cpus, pp,
-                                        os.environ if env is None else env),
+                     parallel=placement(cfg, use_mpi, tp, num_gpus, num_cpus, pp, env),
                      server=server_config(cfg, local_dir, port))
 
 

@@ -10,6 +10,7 @@ pooling engine that serves embeddings and scores (docs/embeddings.md).
 from __future__ import annotations
 
 import logging
+import os
 
 from container.compat import quantized_dtype
 from container.keys import ConfigError
@@ -56,16 +57,18 @@ def build_pooling(cfg: ResolvedConfig, task: str, *, local_dir: str, spec: Model
     if tp * cfg["option.pipeline_parallel_degree"] > 1:
         raise ConfigError(f"option.tensor_parallel_degree={tp}: a {task} model runs in one process per copy; "
                           "set maxWorkers for more copies instead")
-    try:
-        pooling = read_pooling_spec(local_dir, task, cfg["option.max_model_len"])
-    except PoolingSpecError as exc:
-        raise ConfigError(str(exc)) from None
+    pooling = None  # (a remote checkpoint `lmi config` shows before any download: read once it is here)
+    if local_dir and os.path.isfile(os.path.join(local_dir, "config.json")):
+        try:
+            pooling = read_pooling_spec(local_dir, task, cfg["option.max_model_len"])
+        except PoolingSpecError as exc:
+            raise ConfigError(str(exc)) from None
+        log.info("task: %s (%s, %s)", task, pooling.architecture,
+                 f"labels {', '.join(pooling.labels)}" if pooling.labels else f"{pooling.pooling} pooling")
     dtype = quantized_dtype(cfg, num_gpus, "a pooling model", spec, cpu, gpu_bf16)
-    log.info("task: %s (%s pooling model, %s); dtype: %s", task, pooling.architecture,
-             "a classifier" if pooling.labels else f"{pooling.pooling} pooling", dtype.dtype)
     model = ModelConfig(local_dir=local_dir, model_id=cfg["option.model_id"], revision=cfg["option.revision"],
                         dtype=dtype.dtype, dtype_why=dtype.why, trust_remote_code=cfg["option.trust_remote_code"],
-                        max_model_len=pooling.max_input_tokens, task=task, pooling=pooling)
+                        max_model_len=pooling.max_input_tokens if pooling else None, task=task, pooling=pooling)
     scheduler = SchedulerConfig(engine_kind=ENGINE_POOLING, job_queue_size=cfg["job_queue_size"],
                                 max_num_seqs=cfg["option.max_rolling_batch_size"],
                                 max_num_batched_tokens=cfg["option.max_rolling_batch_prefill_tokens"],

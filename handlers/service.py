@@ -74,6 +74,15 @@ class Service:
         self.limits = RequestLimits(config.server.max_inputs_per_request, config.server.max_input_chars)
         self.engine_ready = False
         self._drain_deadline: float | None = None
+        self._encoder_inputs = None
+
+    def encoder_inputs(self):
+        """A pooling model's tokenizers (handlers/pooling.py), made on first use."""
+        if self._encoder_inputs is None:
+            from handlers.pooling import EncoderInputs
+
+            self._encoder_inputs = EncoderInputs(self.config.model.local_dir, self.config.model.pooling.max_input_tokens)
+        return self._encoder_inputs
 
     # -- the engine's state ------------------------------------------------------------------------
     def adapter_infos(self, fresh: bool = False) -> list[AdapterInfo]:

@@ -32,6 +32,17 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def encoders(tmp_path_factory) -> dict[str, Path]:
+    """Tiny random embedding, reranking and classification checkpoints (container/encoder_maker.py), by kind."""
+    from container.encoder_maker import ENCODER_KINDS, make_encoder
+
+    root = tmp_path_factory.mktemp("encoders")
+    for kind in ENCODER_KINDS:
+        make_encoder(str(root / kind), kind)
+    return {kind: root / kind for kind in ENCODER_KINDS}
+
+
+@pytest.fixture(scope="session")
 def hf(tiny_model):
     """HF `generate` on the tiny model: the oracle every engine is checked against."""
     from tests.support import hf_oracle

@@ -15,7 +15,9 @@ from tests.support import LMI, ROOT
 
 EXAMPLES = sorted((ROOT / "serving.properties.examples").glob("*.properties"))
 EXPECTED_ENGINE = {"falcon-40b-dynamic": "dynamic", "falcon-40b-rolling": "rolling", "falcon-40b-paged": "paged",
-                   "tiny-dynamic": "dynamic", "tiny-rolling": "rolling", "tiny-paged": "paged"}
+                   "tiny-dynamic": "dynamic", "tiny-rolling": "rolling", "tiny-paged": "paged",
+                   "embedding": "pooling", "reranker": "pooling"}
+EXAMPLE_MODEL = {"embedding": "bert-embed", "reranker": "bert-rerank"}  # (conftest's encoders); others: tiny_model
 
 
 def lmi(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -29,8 +31,9 @@ def test_every_example_is_listed():
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
-def test_lmi_config_resolves_every_example(path, tiny_model):
-    result = lmi("config", "--properties", str(path), "--model-dir", str(tiny_model))
+def test_lmi_config_resolves_every_example(path, tiny_model, encoders):
+    model = encoders[EXAMPLE_MODEL[path.stem]] if path.stem in EXAMPLE_MODEL else tiny_model
+    result = lmi("config", "--properties", str(path), "--model-dir", str(model))
     assert result.returncode == 0, result.stderr
     last = result.stdout.strip().splitlines()[-1]
     assert last.startswith(f"engine: {EXPECTED_ENGINE[path.stem]}"), last

@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 
 class PoolingModel:
     def __init__(self, model: ModelConfig):
+        if model.pooling is None:
+            raise ValueError(f"no pooling spec for {model.local_dir}: the launcher reads it from the checkpoint")
         self.config = model
         self.spec: PoolingSpec = model.pooling
         self.model = None

@@ -19,7 +19,7 @@ import zmq
 
 from engines import protocol
 from engines.process import ipc
-from engines.protocol import Abort, AdapterCommand, Add, HandlerCall, Health, HealthReply, Output
+from engines.protocol import Abort, AdapterCommand, Add, Health, HealthReply, Output
 
 log = logging.getLogger(__name__)
 FINAL_LINGER_MS = 1000  # how long the last outputs may take to leave after close (deliver_before_exit)
@@ -102,10 +102,10 @@ class EngineEndpoint:
             reply = msgspec.structs.replace(self._health(), nonce=msg.nonce)
             self._outbox.put([identity, protocol.encode(reply)])
             return
-        if isinstance(msg, (Add, AdapterCommand, HandlerCall)):
-            self._owners[msg.request_id] = identity
-        else:  # Abort: nobody waits for its outputs any more
+        if isinstance(msg, Abort):  # nobody waits for its outputs any more
             self._owners.pop(msg.request_id, None)
+        else:  # a request (Add, Encode) or a command: its outputs or reply go back to this worker
+            self._owners[msg.request_id] = identity
         self._on_message(msg)
 
     def _route_outputs(self, frames: list[bytes]) -> None:
@@ -114,7 +114,7 @@ class EngineEndpoint:
             identity = self._owners.get(out.request_id)
             if identity is None:
                 continue  # aborted: nobody is waiting
-            if not isinstance(out, Output) or out.finished:  # (an AdapterReply / HandlerReply is the only one)
+            if not isinstance(out, Output) or out.finished:  # (a reply: AdapterReply, HandlerReply, Encoded)
                 del self._owners[out.request_id]
             self._outbox.put([identity, frame])
 

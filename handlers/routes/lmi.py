@@ -8,6 +8,7 @@ import json
 
 from flask import Blueprint, Response, g, request
 
+from engines.config import TASK_GENERATION
 from engines.process.models import READY
 from engines.protocol import STATE_READY
 from handlers import custom
@@ -18,6 +19,7 @@ from handlers.metrics import render as render_metrics, render_models
 from handlers.models import current, invocation_model, models, pick
 from handlers.refusals import refuse_on_dynamic
 from handlers.request_metrics import REQUEST_METRICS
+from handlers.routes import pooling
 from handlers.routes.openai import djl_chat
 from handlers.routes.tgi import compat_generate
 from handlers.schemas import parse_body, parse_request
@@ -111,6 +113,8 @@ def invocations(model_name: str | None = None, version: str | None = None):
     body = parse_or_400(raw, request.content_type, parse_body)
     if isinstance(body, dict) and name is not None and body.get("model_name") == name:
         del body["model_name"]
+    if service.task != TASK_GENERATION:
+        return pooling.invocations(service, body)
     if isinstance(body, dict) and "messages" in body:
         return djl_chat(service, body)
     if service.config.server.tgi_compat:

@@ -12,11 +12,12 @@ from dataclasses import replace
 
 from flask import Blueprint, Response, g, request
 
+from engines.config import TASK_GENERATION
 from handlers.errors import HttpError, bad_request
 from handlers.formatters import JSONLINES, SSE
 from handlers.openai_formatters import CHAT, COMPLETION, response, stream
 from handlers.openai_schemas import OpenAIRequest, parse_chat, parse_completion
-from handlers.refusals import refuse_on_dynamic
+from handlers.refusals import refuse_on_dynamic, refuse_wrong_task
 from handlers.schemas import parse_body
 from handlers.models import current, models as served, pick
 from handlers.service import Service, json_response
@@ -98,6 +99,7 @@ def model_body() -> tuple[dict, Service]:
 def render(service: Service, req: OpenAIRequest) -> list[tuple[list[int], str]]:
     """The conversation through the chat template, tokenized without added special tokens (the
     template writes them), as transformers' apply_chat_template and vLLM do."""
+    refuse_wrong_task(service.task, TASK_GENERATION, "chat")  # (an embedding model has no template either)
     if service.chat_template is None:
         raise bad_request("this model has no chat template (no chat_template in tokenizer_config.json, no "
                           "chat_template.jinja): set option.chat_template, or use /v1/completions", "messages")

@@ -25,7 +25,7 @@ from handlers.service import Service, json_response, warn_ignored
 
 log = logging.getLogger("handlers.tgi")
 
-TGI_PATHS = ("/generate", "/generate_stream", "/")  # errors there carry TGI's error_type
+TGI_PATHS = ("/generate", "/generate_stream", "/", "/embed", "/rerank")  # errors there carry TGI's (and TEI's) error_type
 
 routes = Blueprint("tgi", __name__)
 
