@@ -73,7 +73,7 @@ def oracles(three):
 
 def _register_all(server, three) -> None:
     llama, s3_url, _, handler = three
-    resp = requests.post(server.url + "/models", params={"url": str(llama), "model_name": "llama",
+    resp = requests.post(server.url + "/models", params={"url": str(llama), "model_name": "llama", "option.dtype": "fp32",
                                                           "required_memory_mb": NEED_MB}, timeout=120)
     assert (resp.status_code, resp.json()) == (200, {"status": "Model \"llama\" registered."}), server.log()
     resp = requests.post(server.url + "/models", json={"model_name": "qwen", "url": s3_url,
@@ -135,12 +135,14 @@ def test_three_models_registered_at_run_time_answer_like_hf_on_every_route(serve
     assert resp.status_code == 400 and "Parameter model_name is required" in resp.json()["error"]
     ping = requests.get(server.url + "/ping", timeout=5)
     assert ping.status_code == 200 and set(ping.json()["models"]) == {"llama", "qwen", "handler"}
-    metrics = requests.get(server.url + "/metrics", timeout=10).text
+    # each HTTP worker publishes its counts within request_metrics.FLUSH_S: the other worker's last ones may lag
+    tokens = 4 * len(oracles["llama"](PROMPT, 12))  # predictions, invoke, target, openai
+    counted = f'vllm:generation_tokens_total{{model="llama"}} {float(tokens)}'
+    metrics = wait_for(lambda: next((t for t in [requests.get(server.url + "/metrics", timeout=10).text] if counted in t),
+                                    None), 10, "every worker's request metrics")
     assert 'lmi_model_evictions_total{model="llama"}' in metrics
     assert 'lmi_http_requests_total{model="qwen",route="/predictions/<model_name>",status="200"} 1.0' in metrics
     assert 'vllm:request_success_total{finished_reason="length",model="handler"}' not in metrics  # (its own code)
-    tokens = 4 * len(oracles["llama"](PROMPT, 12))  # predictions, invoke, target, openai
-    assert f'vllm:generation_tokens_total{{model="llama"}} {float(tokens)}' in metrics
     loaded = [m for m in requests.get(server.url + "/models", timeout=5).json()["models"] if m["status"] == "READY"]
     kinds = {"llama": "paged", "qwen": "rolling", "handler": "handler"}
     for m in loaded:  # every engine sample labelled with its model
@@ -251,7 +253,8 @@ def _ensure_registered(server, three) -> None:
     llama, s3_url, _, handler = three
     for name, url in (("llama", str(llama)), ("qwen", s3_url), ("handler", str(handler))):
         if name not in names:
-            resp = requests.post(server.url + "/models", json={"model_name": name, "url": url,
+            # fp32 (DJL's option.* in the body): greedy ids equal HF's on any host, bf16 where it is fast included
+            resp = requests.post(server.url + "/models", json={"model_name": name, "url": url, "option.dtype": "fp32",
                                                                 "required_memory_mb": NEED_MB}, timeout=120)
             assert resp.status_code == 200, resp.text
 
