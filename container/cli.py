@@ -11,6 +11,7 @@ import time
 from container import config as cfgmod
 from engines.weights.artifacts import ArtifactError, resolve_model
 from container.keys import KEY_ALIASES, ConfigError
+from container.encoder_maker import ENCODER_KINDS, ENCODER_SIZES
 from container.model_maker import ARCHITECTURES, DTYPES, SIZES
 from container.properties import PropertiesError, read_properties, read_vllm_yaml
 from engines.process.startup import TIMELINE, process_age
@@ -99,7 +100,9 @@ def cmd_serve(args) -> int:
     log.info("engine: %s, model: %s", config.scheduler.engine_kind, local_dir)
     log.info("listening on http://%s:%d (/ping, /invocations, /v1/chat/completions, /metrics)",
              args.host, config.server.port)
-    problem = _check_plan(resolved, config, spec) if config.model.entry_point is None else None
+    # (a custom handler loads what it wants; a pooling model keeps no KV cache to plan)
+    problem = _check_plan(resolved, config, spec) if config.model.entry_point is None and config.model.pooling is None \
+        else None
     if problem:
         log.error("lmi-serve did not start: %s", problem)
         return 2
@@ -229,6 +232,14 @@ def cmd_make_model(args) -> int:
         print(f"wrote a {card['num_hidden_layers']}-layer draft of {args.draft_of} ({card['num_parameters']:,} "
               f"parameters) to {args.out_dir}")
         return 0
+    if args.arch in ENCODER_KINDS:  # embedding, reranking, classification checkpoints
+        from container.encoder_maker import ENCODER_SIZES, make_encoder
+
+        if args.size not in ENCODER_SIZES:
+            raise SystemExit(f"lmi make-model: --arch {args.arch} comes in sizes {', '.join(ENCODER_SIZES)}")
+        card = make_encoder(args.out_dir, args.arch, size=args.size, seed=args.seed)
+        print(f"wrote {card['architecture']} ({args.arch}, {card['num_parameters']:,} parameters) to {args.out_dir}")
+        return 0
     overrides = {k: v for k, v in {"num_key_value_heads": args.num_kv_heads, "num_attention_heads": args.num_heads,
                                    "num_hidden_layers": args.num_layers, "hidden_size": args.hidden_size}.items()
                  if v is not None}
@@ -266,8 +277,8 @@ def parser() -> argparse.ArgumentParser:
         s.set_defaults(fn=fn)
     m = sub.add_parser("make-model", help=MAKE_MODEL, description=MAKE_MODEL)
     m.add_argument("out_dir")
-    m.add_argument("--arch", default="llama", choices=ARCHITECTURES)
-    m.add_argument("--size", default="tiny", choices=list(SIZES))
+    m.add_argument("--arch", default="llama", choices=ARCHITECTURES + ENCODER_KINDS)
+    m.add_argument("--size", default="tiny", choices=list(dict.fromkeys([*SIZES, *ENCODER_SIZES])))
     m.add_argument("--dtype", default="float32", choices=DTYPES,
                    help="dtype of the written weights (default float32)")
     m.add_argument("--seed", type=int, default=0)

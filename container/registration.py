@@ -116,8 +116,8 @@ def register(name: str, url: str, options: dict[str, str], *, url_pattern: str, 
 
 
 def need_bytes(config: LmiConfig, resolved, spec, device_bytes: int) -> int:
-    """What one load of the model needs: required_memory_mb per copy when set, a custom handler its files
-    plus one interpreter, else lmi plan's figures (weights, KV cache, headroom per rank) for every rank
+    """What one load of the model needs: required_memory_mb per copy when set, a custom handler or a pooling
+    model its files plus one interpreter, else lmi plan's figures (weights, KV cache, headroom per rank) for every rank
     of every copy; on GPUs at least its gpu_memory_utilization share of each device."""
     from engines.weights.memory_plan import CPU_RUNTIME_BYTES, Machine, available_ram, plan
     from container import planner
@@ -129,8 +129,8 @@ def need_bytes(config: LmiConfig, resolved, spec, device_bytes: int) -> int:
     def files_need() -> int:  # its files and an interpreter
         return (_files_bytes(config.model.local_dir) + CPU_RUNTIME_BYTES) * copies
 
-    if config.model.entry_point is not None or spec is None:
-        return files_need()
+    if config.model.entry_point is not None or config.model.pooling is not None or spec is None:
+        return files_need()  # (a pooling model keeps no KV cache: its weights and an interpreter)
     num_gpus = cfgmod.count_gpus(os.environ)
     machine = Machine("this machine", num_gpus, device_bytes if num_gpus else available_ram())
     try:
