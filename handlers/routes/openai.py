@@ -100,15 +100,21 @@ def render(service: Service, req: OpenAIRequest) -> list[tuple[list[int], str]]:
     """The conversation through the chat template, tokenized without added special tokens (the
     template writes them), as transformers' apply_chat_template and vLLM do."""
     refuse_wrong_task(service.task, TASK_GENERATION, "chat")  # (an embedding model has no template either)
+    text = render_text(service, list(req.messages), req.tools)
+    return [(service.tokenizer.encode(text, add_special_tokens=False), text)]
+
+
+def render_text(service: Service, messages: list[dict], tools, add_generation_prompt: bool = True) -> str:
+    """Messages (and the request's tools: handlers/tools.py) as the chat template writes them; the chat
+    routes and /tokenize's chat form render through here."""
     if service.chat_template is None:
         raise bad_request("this model has no chat template (no chat_template in tokenizer_config.json, no "
                           "chat_template.jinja): set option.chat_template, or use /v1/completions", "messages")
-    messages, tools = list(req.messages), None
-    if req.tools is not None:
-        messages = req.tools.with_prompt(messages, service.chat_template.uses_tools)
-        tools = req.tools.template_tools()
-    text = service.chat_template.render(messages, tools=tools)
-    return [(service.tokenizer.encode(text, add_special_tokens=False), text)]
+    template_tools = None
+    if tools is not None:
+        messages = tools.with_prompt(messages, service.chat_template.uses_tools)
+        template_tools = tools.template_tools()
+    return service.chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=template_tools)
 
 
 def start(service: Service, req: OpenAIRequest, prompts: list[tuple[list[int], str]]) -> tuple[list, str | None]:

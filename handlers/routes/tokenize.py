@@ -19,7 +19,7 @@ from flask import Blueprint
 from handlers.errors import HttpError, bad_request
 from handlers.models import current, models as served, pick
 from handlers.openai_schemas import WHERE, _messages, check_fields
-from handlers.routes.openai import TGI_CLIENT_MODEL
+from handlers.routes.openai import TGI_CLIENT_MODEL, render_text
 from handlers.schemas import _bool, _check_text, _int, _type_name, parse_body
 from handlers.service import Service, json_response
 from handlers.tools import parse_tools
@@ -88,10 +88,6 @@ def chat_ids(service: Service, body: dict) -> list[int]:
     """The conversation through the chat template as the chat route renders it (handlers/routes/openai.py
     render), with vLLM's add_generation_prompt and continue_final_message; no special tokens added by
     default (the template writes them)."""
-    template = service.chat_template
-    if template is None:
-        raise bad_request("this model has no chat template (no chat_template in tokenizer_config.json, no "
-                          "chat_template.jinja): set option.chat_template, or tokenize a \"prompt\"", "messages")
     if body.get("chat_template") is not None:  # vLLM refuses them too, unless --trust-request-chat-template
         raise bad_request("\"chat_template\": a request cannot bring its own template; set option.chat_template",
                           "chat_template")
@@ -103,16 +99,12 @@ def chat_ids(service: Service, body: dict) -> list[int]:
         raise bad_request(f"\"chat_template_kwargs\" ({', '.join(sorted(kwargs))}): /v1/chat/completions renders "
                           "the template without extra variables, and so does /tokenize", "chat_template_kwargs")
     messages = _messages(body.get("messages"), service.limits)
-    tools, template_tools = parse_tools(body, NO_CALLS_READ), None
-    if tools is not None:
-        messages = tools.with_prompt(messages, template.uses_tools)
-        template_tools = tools.template_tools()
     final = _bool(body, "continue_final_message", False, where=WHERE)
     generation = _bool(body, "add_generation_prompt", not final, where=WHERE)
     if final and generation:
         raise bad_request("\"continue_final_message\" and \"add_generation_prompt\" cannot both be true",
                           "continue_final_message")
-    text = template.render(messages, add_generation_prompt=generation, tools=template_tools)
+    text = render_text(service, messages, parse_tools(body, NO_CALLS_READ), add_generation_prompt=generation)
     if final:
         text = open_final_message(text, messages[-1]["content"])
     return service.tokenizer.encode(text, add_special_tokens=_bool(body, "add_special_tokens", False, where=WHERE))
