@@ -28,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 
@@ -201,7 +202,8 @@ def report(runs: dict, offline: float, args) -> None:
                label=f"{c} client{'s' if c != '1' else ''}")
     ax.set_xticks([i + width / 2 for i in range(len(names))], names)
     ax.set_ylabel("sentences / s")
-    ax.set_title(f"embeddings, BERT {args.size} {args.dtype}\n{cpu_line()}", fontsize=7)
+    ax.set_title(f"embeddings, BERT {args.size} {args.dtype}\n" + "\n".join(textwrap.wrap(cpu_line(), 100)),
+                 fontsize=7)
     ax.legend()
     fig.tight_layout()
     fig.savefig(os.path.join(RESULTS, "embeddings.png"), dpi=120)
