@@ -15,8 +15,10 @@ import torch
 
 from container.config import build, resolve
 from container.keys import ConfigError
-from engines.config import ENGINE_POOLING, TASK_CLASSIFICATION, TASK_EMBEDDING, TASK_GENERATION
+from container.encoder_maker import wordpiece_tokenizer, write_sentence_transformers
+from engines.config import ENGINE_POOLING, TASK_CLASSIFICATION, TASK_EMBEDDING, TASK_GENERATION, ModelConfig
 from engines.pooling.engine import groups_by_length
+from engines.pooling.model import PoolingModel, finish_vectors, pool
 from engines.pooling.spec import PoolingSpecError, detect_task, read_pooling_spec
 from tests.support import Server
 
@@ -96,6 +98,55 @@ def test_checkpoints_that_cannot_be_served_are_refused_at_start(encoders, tmp_pa
     assert config({}, tiny_model).model.task == TASK_GENERATION
     assert config({}, tiny_model).model.pooling is None
     assert resolve({}, {"HF_TASK": "text-embedding"})["option.task"] == TASK_EMBEDDING
+
+
+def test_lmi_config_names_the_tasks_served_for_one_it_does_not_serve(encoders, tmp_path):
+    from tests.test_cli import lmi
+
+    props = tmp_path / "serving.properties"
+    props.write_text("option.task=fill-mask\n")
+    result = lmi("config", "--properties", str(props), "--model-dir", str(encoders["bert-embed"]))
+    assert result.returncode != 0
+    assert "option.task=fill-mask: lmi-serve serves text-generation, text-embedding" in result.stderr
+
+
+@pytest.mark.parametrize("mode", ["cls", "mean", "max", "mean_sqrt_len_tokens", "lasttoken"])
+def test_pooling_equals_sentence_transformers_pooling(mode):
+    from sentence_transformers.models import Pooling
+
+    torch.manual_seed(0)
+    hidden = torch.randn(3, 7, 16)  # [b, L, H]
+    mask = torch.tensor([[1] * 7, [1] * 4 + [0] * 3, [1] * 1 + [0] * 6])  # right padding
+    theirs = Pooling(16, pooling_mode=mode)({"token_embeddings": hidden, "attention_mask": mask})["sentence_embedding"]
+    torch.testing.assert_close(pool(hidden, mask, mode), theirs, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["roberta", "modernbert"])
+def test_other_encoders_embed_as_sentence_transformers_does(arch, tmp_path):
+    """RoBERTa (positions after the padding index) and ModernBERT (CLS pooling here), in this process."""
+    import transformers
+    from sentence_transformers import SentenceTransformer
+
+    tok = wordpiece_tokenizer(64)
+    shape = dict(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                 intermediate_size=64, pad_token_id=tok.pad_token_id)
+    if arch == "roberta":
+        config = transformers.RobertaConfig(**shape, max_position_embeddings=66, type_vocab_size=1)
+    else:
+        config = transformers.ModernBertConfig(**shape, max_position_embeddings=64, cls_token_id=tok.cls_token_id,
+                                               sep_token_id=tok.sep_token_id, bos_token_id=tok.cls_token_id,
+                                               eos_token_id=tok.sep_token_id)
+    torch.manual_seed(0)
+    transformers.AutoModel.from_config(config).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    write_sentence_transformers(str(tmp_path), 32, "cls" if arch == "modernbert" else "mean", 64)
+    spec = read_pooling_spec(str(tmp_path), detect_task(str(tmp_path)))
+    assert (spec.task, spec.max_input_tokens) == (TASK_EMBEDDING, 64)
+    model = PoolingModel(ModelConfig(local_dir=str(tmp_path), pooling=spec, task=spec.task))
+    model.load()
+    ids = [e.ids for e in tok.backend_tokenizer.encode_batch(TEXTS)]
+    ours = finish_vectors(model.run(ids), None, spec.normalize).numpy()
+    np.testing.assert_allclose(ours, SentenceTransformer(str(tmp_path), device="cpu").encode(TEXTS), atol=1e-5)
 
 
 def test_groups_by_length_keep_the_padded_size_within_the_budget():

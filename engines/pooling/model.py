@@ -38,8 +38,7 @@ class PoolingModel:
         from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification
 
         cfg = AutoConfig.from_pretrained(self.config.local_dir, trust_remote_code=self.config.trust_remote_code)
-        dtype = torch_dtype(self.config.dtype, str(getattr(cfg, "torch_dtype", None) or getattr(cfg, "dtype", "")
-                                                   or "float32"))
+        dtype = torch_dtype(self.config.dtype, str(getattr(cfg, "dtype", None) or "float32"))
         cls = AutoModelForSequenceClassification if self.spec.task == TASK_CLASSIFICATION else AutoModel
         if torch.cuda.is_available():
             self.device = torch.device("cuda")
