@@ -32,6 +32,7 @@ from handlers.engine_pool import EnginePool
 from handlers.errors import HttpError, bad_request
 from handlers.formatters import collect
 from handlers.generation import ClientGone, CopyDied, Generation, client_gone
+from handlers.pooling import EncoderInputs
 from handlers.refusals import refuse_dynamic_sampling, refuse_wrong_task
 from handlers.schemas import GenerationRequest, RequestLimits, slo_of
 from handlers.tokenizer import TextTokenizer
@@ -79,8 +80,6 @@ class Service:
     def encoder_inputs(self):
         """A pooling model's tokenizers (handlers/pooling.py), made on first use."""
         if self._encoder_inputs is None:
-            from handlers.pooling import EncoderInputs
-
             self._encoder_inputs = EncoderInputs(self.config.model.local_dir, self.config.model.pooling.max_input_tokens)
         return self._encoder_inputs
 
