@@ -56,7 +56,7 @@ def refuse_dynamic_sampling(is_dynamic: bool, sampling) -> None:
 # a model's task (option.task) → the routes that serve it, as the 400 on any other route names them
 TASK_ROUTES = {
     TASK_GENERATION: "/invocations, /v1/chat/completions, /v1/completions, /v1/responses, /generate",
-    TASK_EMBEDDING: "/v1/embeddings, /embed, /invocations",
+    TASK_EMBEDDING: "/v1/embeddings, /embed, /v1/score, /invocations",
     TASK_CLASSIFICATION: "/rerank, /v1/rerank, /v1/score, /invocations",
 }
 

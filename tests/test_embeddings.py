@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -310,3 +311,44 @@ def test_bad_input_is_a_400_naming_the_problem(servers, kind, path, body, messag
     error = resp.json().get("error")
     text = error["message"] if isinstance(error, dict) else error
     assert message in text, text
+
+
+def test_the_engine_batches_answers_and_refuses_by_message(encoders):
+    """The pooling engine in this process: Encode in, Encoded out; what it cannot serve answered at once."""
+    import threading
+
+    from engines.config import LmiConfig, SchedulerConfig
+    from engines.pooling.engine import PoolingEngine
+    from engines.protocol import Abort, Add, Encode, Encoded, Output
+    from engines.sampling_params import SamplingParams
+
+    spec = read_pooling_spec(str(encoders["bert-embed"]), TASK_EMBEDDING)
+    config = LmiConfig(model=ModelConfig(local_dir=str(encoders["bert-embed"]), task=TASK_EMBEDDING, pooling=spec),
+                       scheduler=SchedulerConfig(engine_kind=ENGINE_POOLING, job_queue_size=4, max_num_seqs=2))
+    out: list = []
+    engine = PoolingEngine(config, out.extend)
+    engine.submit(Add("gen", [2, 3], SamplingParams(max_new_tokens=2)))
+    engine.submit(Encode("long", [[5] * 129]))
+    engine.submit(Encode("full", [[5]] * 5))
+    assert [(o.request_id, o.error_code) for o in out] == [("gen", 400), ("long", 400), ("full", 503)]
+    assert isinstance(out[0], Output) and "not text generation: use /v1/embeddings" in out[0].error
+    out.clear()
+    engine.load()
+    engine.submit(Encode("gone", [[2, 40, 3]]))
+    engine.submit(Abort("gone"))  # before its turn: never computed, never answered
+    engine.submit(Encode("three", [[2, 40, 3], [2, 41, 42, 43, 3], [2, 3]], dimensions=8))  # two batches of two
+    stop = threading.Event()
+    loop = threading.Thread(target=engine.run, args=(stop,))
+    loop.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not out and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        stop.set()
+        loop.join(timeout=5)
+    (reply,) = out
+    assert isinstance(reply, Encoded) and reply.request_id == "three" and reply.error_code is None
+    vectors = [np.frombuffer(v, dtype="<f4") for v in reply.vectors]
+    assert [v.shape for v in vectors] == [(8,)] * 3 and np.allclose([np.linalg.norm(v) for v in vectors], 1.0)
+    assert engine.num_batches == 2

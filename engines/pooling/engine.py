@@ -50,9 +50,9 @@ class PoolingEngine:
         self.max_num_batched_tokens = max(sched.max_num_batched_tokens, self.spec.max_input_tokens)
         self.num_batches = 0
         self.num_running = 0
-        self.wrong_route = (f"this model serves {self.spec.task} (option.task), not text generation: use "
-                            + ("/v1/embeddings, /embed or /invocations" if self.spec.task != TASK_CLASSIFICATION
-                               else "/rerank, /v1/score or /invocations"))
+        routes = "/rerank, /v1/score or /invocations" if self.spec.task == TASK_CLASSIFICATION else \
+            "/v1/embeddings, /embed, /v1/score or /invocations"
+        self.wrong_route = f"this model serves {self.spec.task} (option.task), not text generation: use {routes}"
 
     def load(self) -> None:
         self.model.load()
