@@ -28,6 +28,7 @@ from engines.config import ServerConfig
 from engines.process.models import touch
 from engines.process.rundir import write_failure
 from handlers.errors import HttpError
+from handlers.generation import ClientGone
 from handlers.models import Models
 from handlers.request_metrics import REQUEST_METRICS
 from handlers.routes import adapters, lmi, management, openai, pooling, responses, tgi, tokenize
@@ -62,6 +63,7 @@ def build_app(target: Service | Models) -> Flask:
     app.before_request(_begin)
     app.after_request(_tag)
     app.register_error_handler(HttpError, _http_error)
+    app.register_error_handler(ClientGone, lambda _: Response(status=499))  # (nobody reads it: for the logs)
     app.register_error_handler(HTTPException, lambda err: _http_error(HttpError(err.code or 500,
                                                                                 err.description or err.name)))
     app.register_error_handler(Exception, _unexpected)

@@ -17,8 +17,9 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from engines.config import TASK_CLASSIFICATION, PoolingSpec
-from engines.protocol import Encode, Encoded
+from engines.protocol import Encode
 from handlers.errors import HttpError, bad_request
+from handlers.generation import ClientGone
 
 WAIT_SLICE_S = 0.5  # how often a waiting request looks for a dead engine or the drain's end
 
@@ -51,25 +52,28 @@ class EncoderInputs:
 
 def encode(service, ids: list[list[int]], types: list[list[int]] | None = None, *, dimensions: int | None = None,
            normalize: bool | None = None, request_id: str) -> list[np.ndarray]:
-    """Send the inputs to the engine and wait for their vectors (float32, one per input)."""
+    """Send the inputs to the engine and wait for their vectors (float32, one per input). A client that
+    leaves, a dead engine, the drain's end or option.predict_timeout aborts the request in the engine."""
     service.require_ready()
-    msg = Encode(request_id, ids, types or [], dimensions, normalize)
-    deadline = time.monotonic() + service.config.scheduler.predict_timeout_s
-    q = service.client.add(msg)
+    deadline, is_gone = service.watch()
+    q = service.client.add(Encode(request_id, ids, types or [], dimensions, normalize))
+    reply = None
     try:
-        while True:
+        while reply is None:
             try:
-                reply: Encoded = q.get(timeout=WAIT_SLICE_S)
-                break
+                reply = q.get(timeout=WAIT_SLICE_S)
             except queue.Empty:
-                stop = service.interrupted()
+                stop = service.interrupted() or (ClientGone() if is_gone() else None) or (
+                    HttpError(424, "the model did not answer within option.predict_timeout "
+                                   f"({service.config.scheduler.predict_timeout_s:g} s)")
+                    if time.monotonic() > deadline else None)
                 if stop is not None:
                     raise stop from None
-                if time.monotonic() > deadline:
-                    raise HttpError(424, "the model did not answer within option.predict_timeout "
-                                         f"({service.config.scheduler.predict_timeout_s:g} s)") from None
     finally:
-        service.client.release(request_id)
+        if reply is None:
+            service.client.abort(request_id)  # (its inputs still waiting are skipped)
+        else:
+            service.client.release(request_id)
     if reply.error_code:
         raise HttpError(reply.error_code, reply.error or "the model failed")
     return [np.frombuffer(v, dtype="<f4") for v in reply.vectors]
