@@ -12,9 +12,11 @@ from container import config as cfgmod
 from engines.weights.artifacts import ArtifactError, resolve_model
 from container.keys import KEY_ALIASES, ConfigError
 from container.encoder_maker import ENCODER_KINDS, ENCODER_SIZES
+from container.tasks import resolve_task
 from container.model_maker import ARCHITECTURES, DTYPES, SIZES
 from container.properties import PropertiesError, read_properties, read_vllm_yaml
 from engines.process.startup import TIMELINE, process_age
+from engines.config import TASK_GENERATION
 
 log = logging.getLogger("container.cli")
 
@@ -215,6 +217,12 @@ def cmd_plan(args) -> int:
         machine = planner.this_machine(cfgmod.count_gpus(os.environ))
         if machine is None:
             raise ValueError("this machine's GPU memory is unknown: give --instance or --gpus N --gpu-memory GiB")
+    if (task := resolve_task(resolved, model_dir)) != TASK_GENERATION:  # embeddings, scores: no KV cache to plan
+        weights = shape.weight_bytes_per_rank(1, 4 if resolved["option.dtype"] == "fp32" else 2)
+        print(f"task: {task} (the pooling engine): weights {weights / 2**20:,.1f} MiB in "
+              f"{resolved['option.dtype'] or 'the default dtype (bf16 size shown)'}; no KV cache: memory is the "
+              "weights and one batch's activations (max_rolling_batch_prefill_tokens tokens)")
+        return 0
     kind = cfgmod.select_engine(resolved, spec)
     print(f"model code: {cfgmod.model_code(resolved, spec)}; engine: {kind}",
           file=sys.stderr if args.json else sys.stdout)

@@ -109,6 +109,8 @@ def test_lmi_config_names_the_tasks_served_for_one_it_does_not_serve(encoders, t
     result = lmi("config", "--properties", str(props), "--model-dir", str(encoders["bert-embed"]))
     assert result.returncode != 0
     assert "option.task=fill-mask: lmi-serve serves text-generation, text-embedding" in result.stderr
+    planned = lmi("plan", "--model-dir", str(encoders["bert-rerank"]))  # no KV cache to plan for it
+    assert planned.returncode == 0 and "task: text-classification (the pooling engine): weights" in planned.stdout
 
 
 @pytest.mark.parametrize("mode", ["cls", "mean", "max", "mean_sqrt_len_tokens", "lasttoken"])
