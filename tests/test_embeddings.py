@@ -39,8 +39,9 @@ def servers(encoders, tmp_path_factory):
         for srv in started.values():
             srv.wait_ready()
         yield started
-    finally:
-        codes = {kind: srv.stop() for kind, srv in started.items()}
+    finally:  # stopped together too (each drains and stops its engine)
+        with concurrent.futures.ThreadPoolExecutor(len(started)) as pool:
+            codes = dict(zip(started, pool.map(lambda srv: srv.stop(), started.values())))
     assert set(codes.values()) == {0}, codes
 
 
