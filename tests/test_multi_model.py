@@ -131,6 +131,8 @@ def test_three_models_registered_at_run_time_answer_like_hf_on_every_route(serve
     assert resp.status_code == 404 and "Model or workflow not found: nope" in resp.json()["error"]
     resp = requests.post(server.url + "/v1/completions", json={"model": "nope", "prompt": "x"}, timeout=10)
     assert resp.status_code == 404 and resp.json()["error"]["code"] == "model_not_found"
+    resp = requests.post(server.url + "/v1/completions", json={"prompt": "x"}, timeout=10)  # no model named
+    assert resp.status_code == 400 and "this server serves several models" in resp.json()["error"]["message"]
     resp = requests.post(server.url + "/invocations", json={"inputs": PROMPT}, timeout=10)
     assert resp.status_code == 400 and "Parameter model_name is required" in resp.json()["error"]
     ping = requests.get(server.url + "/ping", timeout=5)

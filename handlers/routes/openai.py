@@ -19,7 +19,7 @@ from handlers.openai_formatters import CHAT, COMPLETION, response, stream
 from handlers.openai_schemas import OpenAIRequest, parse_chat, parse_completion
 from handlers.refusals import refuse_on_dynamic, refuse_wrong_task
 from handlers.schemas import parse_body
-from handlers.models import current, models as served, pick
+from handlers.models import TARGET_MODEL_HEADER, current, invocation_model, models as served, pick
 from handlers.service import Service, json_response
 
 log = logging.getLogger("handlers.openai")
@@ -83,11 +83,16 @@ def model_body() -> tuple[dict, Service]:
     LoRA adapters it may name; with several models an unknown name is a 404 naming them)."""
     body = parse_body(served().body(), "application/json")
     name = body.get("model") if isinstance(body, dict) else None
+    if name is None:  # (TEI's routes name none: DJL's model_name, SageMaker's target-model header)
+        name = invocation_model()
     names = served().names
     if isinstance(name, str) and name in names:
         service = pick(name)
     elif len(names) > 1 and name != TGI_CLIENT_MODEL:
         shown = ", ".join(f"`{n}`" for n in names)
+        if name is None:
+            raise bad_request(f"this server serves several models ({shown}): name one in \"model\" (or the "
+                              f"{TARGET_MODEL_HEADER} header)", "model")
         raise HttpError(404, f"The model `{name}` does not exist; this server serves {shown}", param="model",
                         openai_code="model_not_found")
     else:
