@@ -33,13 +33,13 @@ def resolve_task(cfg: ResolvedConfig, local_dir: str | None) -> str:
     """The model's task; ConfigError when option.task asks for one its checkpoint cannot serve."""
     if not local_dir:
         return cfg["option.task"] or TASK_GENERATION
-    detected = detect_task(local_dir)
+    config = read_json(os.path.join(local_dir, "config.json"))
+    config = config if isinstance(config, dict) else {}
+    detected = detect_task(local_dir, config)
     task = cfg["option.task"] or detected
-    if task == TASK_GENERATION:
-        config = read_json(f"{local_dir}/config.json") or {}
-        if isinstance(config, dict) and is_encoder(config):
-            raise ConfigError(f"option.task=text-generation: {architecture_of(config) or config.get('model_type')} is "
-                              f"an encoder, which cannot generate text; serve it with option.task={detected}")
+    if task == TASK_GENERATION and is_encoder(config):
+        raise ConfigError(f"option.task=text-generation: {architecture_of(config) or config.get('model_type')} is "
+                          f"an encoder, which cannot generate text; serve it with option.task={detected}")
     if not cfg["option.task"] and task != TASK_GENERATION:
         log.info("option.task unset: serving %s (detected from the checkpoint)", task)
     return task

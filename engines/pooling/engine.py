@@ -157,7 +157,7 @@ class PoolingEngine:
         if self.spec.task != TASK_CLASSIFICATION:
             normalize = self.spec.normalize if job.msg.normalize is None else job.msg.normalize
             vectors = finish_vectors(vectors, job.msg.dimensions, normalize)
-        data = vectors.contiguous().numpy().astype("<f4")
+        data = vectors.contiguous().numpy().astype("<f4", copy=False)  # (a copy only on a big-endian host)
         return Encoded(job.msg.request_id, [row.tobytes() for row in data])
 
     def _fail(self, request_ids: set[str], code: int, why: str) -> None:

@@ -54,10 +54,12 @@ def is_encoder(config: dict) -> bool:
     return config.get("model_type") in ENCODER_TYPES
 
 
-def detect_task(model_dir: str) -> str:
+def detect_task(model_dir: str, config: dict | None = None) -> str:
     """The task a checkpoint serves when option.task is unset: a classifier (…ForSequenceClassification),
-    a sentence-transformers model (modules.json) or an encoder embeds; anything else generates."""
-    config = read_json(os.path.join(model_dir, "config.json")) or {}
+    a sentence-transformers model (modules.json) or an encoder embeds; anything else generates. config:
+    its config.json when the caller has read it."""
+    if config is None:
+        config = read_json(os.path.join(model_dir, "config.json")) or {}
     if architecture_of(config).endswith("ForSequenceClassification"):
         return TASK_CLASSIFICATION
     if os.path.isfile(os.path.join(model_dir, "modules.json")) or is_encoder(config):
